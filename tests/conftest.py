@@ -1,0 +1,92 @@
+"""Shared test setup: the project root on sys.path, one place for tolerances, an independent float64 decoder.
+
+The decoder here is written from the bit definitions of e2m1 and e4m3 (OCP Microscaling spec), not from
+reference.py, so that the reference is checked against something it does not share code with.
+"""
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# The one place for tolerances. CHECK is the leaderboard's (rtol = atol = 1e-3).
+TOL = {
+    "check": dict(rtol=1e-3, atol=1e-3),
+    # fp16 rounding of the result is at most half an ulp: 2^-11 relative (2^-25 absolute near zero).
+    "fp16_rel": 2.0 ** -11,
+    "fp16_abs": 2.0 ** -25,
+    # fp32 accumulation of k exact products: at most k * 2^-24 of the sum of |products| (generous bound).
+    "fp32_sum_rel": 2.0 ** -24,
+}
+
+
+def e2m1_value(code: int) -> float:
+    """4-bit e2m1: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa; exponent 0 is subnormal."""
+    sign = -1.0 if code & 0b1000 else 1.0
+    exponent = (code >> 1) & 0b11
+    mantissa = code & 0b1
+    if exponent == 0:
+        return sign * (mantissa / 2.0)  # 2^(1 - bias) * 0.m
+    return sign * math.ldexp(1.0 + mantissa / 2.0, exponent - 1)
+
+
+def e4m3_value(code: int) -> float:
+    """8-bit e4m3fn: bit 7 sign, bits 6..3 exponent (bias 7), bits 2..0 mantissa; S.1111.111 is NaN, no inf."""
+    sign = -1.0 if code & 0x80 else 1.0
+    exponent = (code >> 3) & 0xF
+    mantissa = code & 0x7
+    if exponent == 0xF and mantissa == 0x7:
+        return math.nan
+    if exponent == 0:
+        return sign * math.ldexp(mantissa / 8.0, -6)
+    return sign * math.ldexp(1.0 + mantissa / 8.0, exponent - 7)
+
+
+_E2M1_F64 = torch.tensor([e2m1_value(c) for c in range(16)], dtype=torch.float64)
+_E4M3_F64 = torch.tensor([e4m3_value(c) for c in range(256)], dtype=torch.float64)
+
+
+def dequant_f64(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[rows, k/2] fp4x2 bytes (element 2j in the low nibble) and [rows, k/16] e4m3 -> [rows, k] float64."""
+    codes = packed.cpu().contiguous().view(torch.uint8).long()
+    rows, half_k = codes.shape
+    values = torch.empty((rows, 2 * half_k), dtype=torch.float64)
+    values[:, 0::2] = _E2M1_F64[codes & 0xF]
+    values[:, 1::2] = _E2M1_F64[codes >> 4]
+    scale = _E4M3_F64[scales.cpu().contiguous().view(torch.uint8).long()]
+    return values * scale.repeat_interleave(16, dim=1)
+
+
+def grouped_gemm_f64(data) -> list[torch.Tensor]:
+    """Exact float64 result [m, n] of every group (scales from the plain sfa/sfb)."""
+    abc, sfs, _, sizes = data
+    out = []
+    for (a, b, _), (sfa, sfb), (m, n, k, l) in zip(abc, sfs, sizes):
+        out.append(dequant_f64(a[:, :, 0], sfa[:, :, 0]) @ dequant_f64(b[:, :, 0], sfb[:, :, 0]).T)
+    return out
+
+
+def sum_abs_products_f64(data) -> list[torch.Tensor]:
+    abc, sfs, _, _ = data
+    return [dequant_f64(a[:, :, 0], sfa[:, :, 0]).abs() @ dequant_f64(b[:, :, 0], sfb[:, :, 0]).abs().T
+            for (a, b, _), (sfa, sfb) in zip(abc, sfs)]
+
+
+def load_task_yml() -> dict:
+    import yaml
+
+    return yaml.safe_load((ROOT / "task.yml").read_text())
+
+
+def cuda_capability():
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

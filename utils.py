@@ -1,0 +1,118 @@
+"""Harness helpers with the names and behaviour of the GPU MODE runner's utils.py.
+
+Comparison (`verbose_allclose`, `match_reference`) runs on any device; the L2 flush helpers need CUDA.
+"""
+import os
+import random
+
+import torch
+
+
+def set_seed(seed: int = 42) -> None:
+    random.seed(seed)
+    try:
+        import numpy as np  # optional: the project does not depend on numpy
+    except ImportError:
+        np = None
+    if np is not None:
+        np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def get_device(use_cuda: bool = True) -> torch.device:
+    """The CUDA device when there is one (and it is wanted), else the CPU."""
+    if use_cuda and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _mismatch_report(received: torch.Tensor, expected: torch.Tensor, mismatched: torch.Tensor,
+                     max_print: int) -> list[str]:
+    count = int(mismatched.count_nonzero().item())
+    if count == 0:
+        return []
+    lines = [f"Number of mismatched elements: {count}"]
+    for index in torch.nonzero(mismatched)[:max_print]:
+        i = tuple(index.tolist())
+        lines.append(f"ERROR AT {i}: {received[i]} {expected[i]}")
+    if count > max_print:
+        lines.append(f"... and {count - max_print} more mismatched elements.")
+    return lines
+
+
+@torch.no_grad()
+def verbose_allclose(received: torch.Tensor, expected: torch.Tensor, rtol=1e-05, atol=1e-08,
+                     max_print=5) -> list[str]:
+    """Mismatches of |received - expected| > atol + rtol * |expected| (NaN and ±inf must match exactly).
+
+    Returns an empty list when everything matches, else human-readable lines.
+    """
+    if received.shape != expected.shape:
+        return ["SIZE MISMATCH"]
+    diff = torch.abs(received - expected)
+    mismatched = diff > atol + rtol * torch.abs(expected)
+    mismatched |= torch.isnan(received) ^ torch.isnan(expected)
+    mismatched |= torch.isposinf(received) ^ torch.isposinf(expected)
+    mismatched |= torch.isneginf(received) ^ torch.isneginf(expected)
+    return _mismatch_report(received, expected, mismatched, max_print)
+
+
+@torch.no_grad()
+def verbose_allequal(received: torch.Tensor, expected: torch.Tensor, max_print: int = 5) -> list[str]:
+    """Mismatches of received != expected, as human-readable lines (empty when equal)."""
+    return _mismatch_report(received, expected, torch.not_equal(received, expected), max_print)
+
+
+def match_reference(data, output, reference, rtol=1e-05, atol=1e-08) -> tuple[bool, str]:
+    """Runs `reference(data)` and compares each output tensor with it."""
+    expected = reference(data)
+    if len(output) != len(expected):
+        return False, f"output length mismatch: got {len(output)}, expected {len(expected)}"
+    for i, (output_i, expected_i) in enumerate(zip(output, expected)):
+        if output_i.device != expected_i.device:
+            output_i = output_i.to(expected_i.device)
+        reasons = verbose_allclose(output_i, expected_i, rtol=rtol, atol=atol)
+        if reasons:
+            return False, f"mismatch found! custom implementation doesn't match reference: {i} {reasons}"
+    return True, ""
+
+
+def make_match_reference(reference, **kwargs):
+    def wrapped(data, output):
+        return match_reference(data, output, reference=reference, **kwargs)
+
+    return wrapped
+
+
+class DeterministicContext:
+    """Deterministic torch algorithms and no TF32 inside the block; restores the settings after."""
+
+    def __enter__(self):
+        self._cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+        self._allow_tf32 = torch.backends.cudnn.allow_tf32
+        self._deterministic = torch.backends.cudnn.deterministic
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True)
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        torch.backends.cudnn.allow_tf32 = self._allow_tf32
+        torch.backends.cudnn.deterministic = self._deterministic
+        torch.use_deterministic_algorithms(False)
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = self._cublas
+
+
+def clear_l2_cache() -> None:
+    """Evicts the L2 by writing 256 MiB (several times any current L2)."""
+    dummy = torch.empty((32, 1024, 1024), dtype=torch.int64, device="cuda")
+    dummy.fill_(42)
+    del dummy
+
+
+def clear_l2_cache_large() -> None:
+    """The runner's flush for the grouped-GEMM benchmark: fills a 64 GB tensor with random numbers."""
+    dummy = torch.randn((16000, 1024, 1024), device="cuda")
+    del dummy
