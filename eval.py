@@ -46,6 +46,11 @@ def _init_worker():
     os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
 
 
+def make_pool():
+    """One spawned worker, as the runner uses: each case runs in a fresh interpreter state."""
+    return multiprocessing.get_context("spawn").Pool(1, initializer=_init_worker)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Cases
 # ---------------------------------------------------------------------------------------------------------
@@ -426,7 +431,7 @@ def popcorn_main(fd: str, argv: list[str]) -> int:
     if mode not in runners:
         return 2
     with PopcornOutput(int(fd)) as logger:
-        with multiprocessing.get_context("spawn").Pool(1, initializer=_init_worker) as pool:
+        with make_pool() as pool:
             return runners[mode](logger, pool, tests)
 
 
@@ -647,7 +652,7 @@ def main(argv: list[str]) -> int:
     if problem:
         print(f"eval.py: cannot run '{mode}': {problem}", file=sys.stderr)
         return 2
-    with multiprocessing.get_context("spawn").Pool(1, initializer=_init_worker) as pool:
+    with make_pool() as pool:
         if mode == "test":
             return human_test(pool, tests)
         if mode == "profile":

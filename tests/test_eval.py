@@ -1,0 +1,203 @@
+"""eval.py on the CPU: the case-file parser, the runner's protocol output, the tables, the no-GPU exit."""
+import contextlib
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import eval as ev
+import reference
+from conftest import ROOT
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Case files
+# ---------------------------------------------------------------------------------------------------------
+def test_parse_runner_line():
+    case = ev.parse_case_line("m: [64, 72]; n: [128, 384]; k: [512, 512]; g: 2; seed: 1111")
+    assert case.args == {"m": (64, 72), "n": (128, 384), "k": (512, 512), "g": 2, "seed": 1111}
+    assert case.spec == "m: [64, 72]; n: [128, 384]; k: [512, 512]; g: 2; seed: 1111"
+
+
+@pytest.mark.parametrize("line", [
+    "m [64]; n: [128]; k: [256]; g: 1; seed: 1",  # no colon
+    "m: [64]; n: [128]; k: [256]; g: 1; seed: 1.5",  # not an integer
+    "m: [64]; n: [128]; k: [256]; g: 1; seed: 1;",  # empty trailing part
+    "m: [64; n: [128]; k: [256]; g: 1; seed: 1",  # unclosed list
+])
+def test_malformed_line_names_the_line(tmp_path, line):
+    path = tmp_path / "cases.txt"
+    path.write_text("m: [64]; n: [128]; k: [256]; g: 1; seed: 1\n" + line + "\n")
+    with pytest.raises(ev.CaseFileError, match=r"line 2: invalid test case"):
+        ev.load_cases(str(path), "tests")
+
+
+@pytest.mark.parametrize("line,match", [
+    ("m: [64, 72]; n: [128]; k: [256, 256]; g: 2; seed: 1", "n must be a list of g=2"),
+    ("m: [64, x]; n: [128, 128]; k: [256, 256]; g: 2; seed: 1", "m must be a list of g=2"),
+    ("m: [64]; n: [128]; k: [256]; g: 1", "lacks seed"),
+])
+def test_inconsistent_case_is_rejected(tmp_path, line, match):
+    path = tmp_path / "cases.txt"
+    path.write_text(line + "\n")
+    with pytest.raises(ev.CaseFileError, match=match):
+        ev.load_cases(str(path), "tests")
+
+
+def test_empty_and_missing_files(tmp_path):
+    (tmp_path / "empty.txt").write_text("\n# only a comment\n")
+    with pytest.raises(ev.CaseFileError, match="no cases"):
+        ev.load_cases(str(tmp_path / "empty.txt"), "tests")
+    with pytest.raises(ev.CaseFileError, match="cannot read"):
+        ev.load_cases(str(tmp_path / "absent.txt"), "tests")
+
+
+def test_task_yml_cases():
+    tests = ev.load_cases(str(ROOT / "task.yml"), "tests")
+    benchmarks = ev.load_cases(str(ROOT / "task.yml"), "benchmarks")
+    assert len(tests) == 10 and len(benchmarks) == 4
+    assert [b.sol_us for b in benchmarks] == [18.833, 10.667, 2.406, 1.525]
+    assert "sol_us" not in benchmarks[0].args  # not a generator argument
+    # The yml spec round-trips through the runner's text format.
+    assert ev.parse_case_line(benchmarks[2].spec).args == benchmarks[2].args
+
+
+def test_secret_seed_mix():
+    cases = [ev.parse_case_line("m: [64]; n: [128]; k: [256]; g: 1; seed: 1111")]
+    ev.apply_secret_seed(cases, 12345)
+    assert cases[0].args["seed"] == 1111 + (1111 + 12345) * (1111 + 12345 + 1) // 2
+    assert ev.calculate_stats([1.0, 2.0, 3.0]).mean == 2.0
+
+
+def test_case_work_counts():
+    flops, bytes_ = ev.case_work({"m": (128,), "n": (256,), "k": (512,)})
+    assert flops == 2 * 128 * 256 * 512
+    assert bytes_ == (128 + 256) * 512 / 2 + (128 + 256) * 512 / 16 + 2 * 128 * 256
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The runner's protocol, run in-process with a stand-in submission (the reference itself, or a wrong one)
+# ---------------------------------------------------------------------------------------------------------
+class _InlinePool:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def apply(self, fn, args=()):
+        return fn(*args)
+
+
+class _FakeEvent:
+    clock_ms = 0.0
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        _FakeEvent.clock_ms += 0.5  # every call "takes" 0.5 ms
+        self.at = _FakeEvent.clock_ms
+
+    def elapsed_time(self, other):
+        return other.at - self.at
+
+
+@contextlib.contextmanager
+def _cpu_runner(monkeypatch, kernel):
+    fake = types.ModuleType("submission")
+    fake.custom_kernel = kernel
+    monkeypatch.setitem(sys.modules, "submission", fake)
+    monkeypatch.setattr(ev, "make_pool", lambda: _InlinePool())
+    monkeypatch.setattr(ev, "gpu_problem", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    import utils
+
+    monkeypatch.setattr(utils, "clear_l2_cache_large", lambda: None)
+    monkeypatch.delenv("POPCORN_SEED", raising=False)
+    yield
+
+
+def _run_protocol(tmp_path, mode, lines):
+    cases = tmp_path / "cases.txt"
+    cases.write_text("\n".join(lines) + "\n")
+    read_fd, write_fd = os.pipe()
+    rc = ev.popcorn_main(str(write_fd), [mode, str(cases)])
+    with os.fdopen(read_fd) as reader:
+        out = reader.read().splitlines()
+    return rc, dict(line.split(": ", 1) for line in out), out
+
+
+CASE_A = "m: [40, 72]; n: [128, 256]; k: [256, 256]; g: 2; seed: 1111"
+CASE_B = "m: [8]; n: [128]; k: [512]; g: 1; seed: 5"
+
+
+def test_protocol_test_mode_pass(tmp_path, monkeypatch):
+    with _cpu_runner(monkeypatch, reference.ref_kernel):
+        rc, kv, out = _run_protocol(tmp_path, "test", [CASE_A, CASE_B])
+    assert rc == 0
+    assert out[0] == "test-count: 2"
+    assert kv["test.0.spec"] == CASE_A and kv["test.1.spec"] == CASE_B
+    assert kv["test.0.status"] == kv["test.1.status"] == "pass" and kv["check"] == "pass"
+
+
+def test_protocol_test_mode_fail(tmp_path, monkeypatch):
+    def wrong_kernel(data):
+        return [c.zero_() for _, _, c in data[0]]
+
+    with _cpu_runner(monkeypatch, wrong_kernel):
+        rc, kv, _ = _run_protocol(tmp_path, "test", [CASE_A])
+    assert rc == 112
+    assert kv["test.0.status"] == "fail" and "mismatch" in kv["test.0.error"] and kv["check"] == "fail"
+
+
+def test_protocol_benchmark_mode(tmp_path, monkeypatch):
+    with _cpu_runner(monkeypatch, reference.ref_kernel):
+        rc, kv, _ = _run_protocol(tmp_path, "benchmark", [CASE_B])
+    assert rc == 0 and kv["benchmark-count"] == "1" and kv["benchmark.0.spec"] == CASE_B
+    assert set(kv) >= {f"benchmark.0.{f}" for f in ("runs", "mean", "std", "err", "best", "worst")}
+    # 15 calls between two events each 0.5 ms apart in the fake clock: 0.5 ms / 15 per call.
+    assert float(kv["benchmark.0.mean"]) == pytest.approx(0.5e6 / 15)
+    assert int(kv["benchmark.0.runs"]) >= 3 and kv["check"] == "pass"
+
+
+def test_protocol_benchmark_reports_wrong_result(tmp_path, monkeypatch):
+    def wrong_kernel(data):
+        out = reference.ref_kernel(data)
+        out[0][0, 0, 0] += 1.0
+        return out
+
+    with _cpu_runner(monkeypatch, wrong_kernel):
+        rc, kv, _ = _run_protocol(tmp_path, "benchmark", [CASE_B])
+    assert rc == 112 and kv["benchmark.0.status"] == "fail" and "mismatch" in kv["benchmark.0.error"]
+
+
+def test_human_table_and_geomean():
+    cases = ev.load_cases(str(ROOT / "task.yml"), "benchmarks")[2:]
+    rows = [(cases[0], ev.Stats(5, 4000.0, 10.0, 5.0, 3990.0, 4010.0)),
+            (cases[1], ev.Stats(5, 1000.0, 10.0, 5.0, 990.0, 1010.0))]
+    table = ev.format_benchmark_table(rows)
+    assert "4.00 ±   0.01" in table and "geometric mean" in table
+    assert "2.00 µs" in table  # sqrt(4 * 1)
+    assert f"{100 * 2.406 / 4.0:6.1f}" in table  # % of speed of light
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Without a GPU
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+@pytest.mark.parametrize("popcorn", [False, True])
+def test_no_gpu_exits_with_one_line_reason(popcorn):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env.pop("POPCORN_FD", None)
+    if popcorn:
+        env["POPCORN_FD"] = "1"
+    proc = subprocess.run([sys.executable, str(ROOT / "eval.py"), "test", str(ROOT / "task.yml")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("eval.py")]
+    assert len(lines) == 1 and "no usable CUDA GPU" in lines[0]
