@@ -13,7 +13,7 @@ Two ways to run it:
 
 `python eval.py compile [--arch sm_100a|sm_90a] [FILE]` needs no GPU: it builds the kernel for the group
 count of every case and prints, per case, OK or the error, registers and shared memory per CTA and the
-counts of the SASS instructions that matter. It needs `cuobjdump` (the nvidia-cuda-cuobjdump wheel).
+counts of the SASS instructions that matter. It needs `cuobjdump` and `nvdisasm` (the nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels).
 
 Run modes need a CUDA GPU; without one they exit with status 2 and a one-line reason.
 """
@@ -509,8 +509,9 @@ def human_profile(pool, tests: list[TestCase]) -> int:
 # ---------------------------------------------------------------------------------------------------------
 # compile: build without a GPU and read the SASS
 # ---------------------------------------------------------------------------------------------------------
-def find_cuobjdump() -> Optional[str]:
-    found = shutil.which("cuobjdump")
+def find_cuda_tool(name: str) -> Optional[str]:
+    """`name` on PATH, else from the NVIDIA wheels (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)."""
+    found = shutil.which(name)
     if found:
         return found
     try:
@@ -518,9 +519,16 @@ def find_cuobjdump() -> Optional[str]:
     except ImportError:
         return None
     for root in getattr(nvidia, "__path__", []):
-        for candidate in sorted(Path(root).glob("*/bin/cuobjdump")):
+        for candidate in sorted(Path(root).glob(f"*/bin/{name}")):
             return str(candidate)
     return None
+
+
+def find_cuobjdump() -> Optional[str]:
+    """cuobjdump, usable for SASS only together with nvdisasm (None unless both are found)."""
+    if find_cuda_tool("nvdisasm") is None:
+        return None
+    return find_cuda_tool("cuobjdump")
 
 
 # Runs in a fresh interpreter with CUTE_DSL_ARCH set: builds, then reports as one JSON line. Without a GPU,
@@ -581,8 +589,13 @@ def build_one(num_groups: int, arch: str, cuobjdump: str) -> dict:
         if result["ok"] and not cubins:
             result.update(ok=False, error=result["error"] or "the build wrote no cubin")
         if cubins:
-            sass = subprocess.run([cuobjdump, "-sass", str(cubins[-1])], capture_output=True, text=True).stdout
-            res = subprocess.run([cuobjdump, "-res-usage", str(cubins[-1])], capture_output=True, text=True).stdout
+            tool_env = dict(os.environ, NVDISASM_PATH=str(Path(find_cuda_tool("nvdisasm")).parent))
+            sass = subprocess.run([cuobjdump, "-sass", str(cubins[-1])], capture_output=True, text=True,
+                                  env=tool_env).stdout
+            if not re.search(r"/\*[0-9a-f]{4,}\*/", sass):
+                result.update(ok=False, error=f"cuobjdump printed no SASS for {cubins[-1].name}")
+            res = subprocess.run([cuobjdump, "-res-usage", str(cubins[-1])], capture_output=True, text=True,
+                                 env=tool_env).stdout
             result["sass"] = count_sass(sass)
             result["resources"] = parse_resource_usage(res)
         return result
@@ -597,10 +610,12 @@ def compile_main(argv: list[str]) -> int:
                         help="task.yml (tests and benchmarks) or a runner text file")
     parser.add_argument("--groups", type=int, nargs="*", default=[],
                         help="extra group counts to build besides those of the cases")
+    parser.add_argument("--json", metavar="PATH", help="also write the results, per case, as JSON")
     args = parser.parse_args(argv)
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
-        print("eval.py compile: cuobjdump not found (pip install nvidia-cuda-cuobjdump)", file=sys.stderr)
+        print("eval.py compile: cuobjdump or nvdisasm not found "
+              "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)", file=sys.stderr)
         return 2
     try:
         if args.cases.endswith((".yml", ".yaml")):
@@ -618,6 +633,7 @@ def compile_main(argv: list[str]) -> int:
         builds[g] = build_one(g, args.arch, cuobjdump)
     print(f"{'case':<80} {'status':<6} {'regs':>4} {'smem[B]':>8} {'s':>5}  " + " ".join(f"{op:>7}" for op in SASS_OPS))
     failed = False
+    report = []
     for label, g in labels:
         result = builds[g]
         res, sass, info = result.get("resources", {}), result.get("sass", {}), result.get("info", {})
@@ -628,6 +644,9 @@ def compile_main(argv: list[str]) -> int:
               + " ".join(f"{sass.get(op, '?'):>7}" for op in SASS_OPS))
         if not result["ok"]:
             print(f"    {result['error']}")
+        report.append(dict(result, case=label, groups=g, arch=args.arch))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     return 1 if failed else 0
 
 

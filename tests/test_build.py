@@ -1,0 +1,48 @@
+"""The kernels build for their GPUs on a machine without one (`eval.py compile`), and their SASS is sane."""
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+import eval as ev
+from conftest import ROOT, load_task_yml
+
+pytestmark = [
+    pytest.mark.build,
+    pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="needs nvidia-cutlass-dsl"),
+    pytest.mark.skipif(ev.find_cuobjdump() is None, reason="needs cuobjdump (nvidia-cuda-cuobjdump)"),
+]
+
+
+def _compile(tmp_path, arch, extra=()):
+    out = tmp_path / f"{arch}.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "eval.py"), "compile", "--arch", arch,
+                           str(ROOT / "task.yml"), "--json", str(out), *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    print(proc.stdout[-4000:], proc.stderr[-4000:])
+    assert out.exists(), proc.stderr[-2000:]
+    return proc, json.loads(out.read_text())
+
+
+def test_sm100a_builds_for_every_task_group_count(tmp_path):
+    task = load_task_yml()
+    proc, report = _compile(tmp_path, "sm_100a")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert len(report) == len(task["tests"]) + len(task["benchmarks"])
+    assert {r["groups"] for r in report} == {c["g"] for c in task["tests"] + task["benchmarks"]}
+    for row in report:
+        assert row["ok"], row
+        sass = row["sass"]
+        assert sass["UTCOMMA"] > 0 and sass["UTMALDG"] > 0, row  # tcgen05 MMA and TMA loads are there
+        assert sass["LDL"] == 0 and sass["STL"] == 0, row  # no local-memory spills
+        assert row["resources"]["REG"] > 0
+
+
+def test_compile_reports_a_bad_case_file(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("m: [64]; n: [128]; k: 256; g: 1\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "eval.py"), "compile", str(bad)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "lacks seed" in proc.stderr

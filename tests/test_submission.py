@@ -1,0 +1,177 @@
+"""submission.py without a GPU: the file rules of the leaderboard, validation, the launch-metadata cache key."""
+import re
+
+import pytest
+import torch
+
+import reference
+import submission
+from conftest import ROOT
+
+SUBMISSION = ROOT / "submission.py"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The leaderboard's file rules
+# ---------------------------------------------------------------------------------------------------------
+def test_header_lines():
+    lines = SUBMISSION.read_text().splitlines()
+    assert lines[0] == "#!POPCORN leaderboard nvfp4_group_gemm"
+    assert lines[1] == "#!POPCORN gpu B200"
+
+
+def test_no_forbidden_word():
+    # The runner rejects a file containing this word in any case (comments and identifiers too).
+    assert re.search("stream", SUBMISSION.read_text(), flags=re.IGNORECASE) is None
+
+
+def test_size_limit():
+    assert SUBMISSION.stat().st_size < 1_000_000
+
+
+def test_imports_only_what_the_runner_has():
+    # One self-contained file: nothing from this repository but the runner's task.py.
+    local = {"reference", "utils", "eval"}
+    for line in SUBMISSION.read_text().splitlines():
+        match = re.match(r"\s*(?:from|import)\s+([A-Za-z_][\w.]*)", line)
+        if match:
+            assert match[1].split(".")[0] not in local, line
+
+
+# ---------------------------------------------------------------------------------------------------------
+# can_implement: one statement of the constraints, evaluated before any compile or launch
+# ---------------------------------------------------------------------------------------------------------
+def _data(m=(96, 40), n=(128, 256), k=(256, 512), seed=1):
+    return reference.generate_input(m=m, n=n, k=k, g=len(m), seed=seed)
+
+
+def _replace(data, group, slot, index, tensor):
+    data = [list(x) for x in data]
+    entry = list(data[slot][group])
+    entry[index] = tensor
+    data[slot][group] = tuple(entry)
+    return tuple(data)
+
+
+def _reason(data):
+    ok, reason = submission.can_implement(data)
+    assert not ok
+    return reason
+
+
+def _raises(data, match):
+    with pytest.raises(ValueError, match=match):
+        submission.custom_kernel(data)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the generator puts the data on the GPU there")
+def test_cpu_tensors_are_rejected():
+    data = _data()
+    assert re.search(r"cuda|gpu", _reason(data), re.IGNORECASE)
+    _raises(data, r"(?i)cuda|gpu")
+
+
+def _on_meta(data):
+    """The same data on the meta device: shapes and dtypes without storage, so that each test meets the
+    check it is about rather than the device check."""
+    abc, sfs, sfs_r, sizes = data
+    meta = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return ([tuple(meta(t) for t in x) for x in abc], sfs, [tuple(meta(t) for t in x) for x in sfs_r], sizes)
+
+
+def test_wrong_dtype_names_group_and_problem():
+    data = _data()
+    a = data[0][1][0]
+    bad = _replace(data, 1, 0, 0, a.view(torch.uint8))
+    reason = _reason(bad)
+    assert "group 1" in reason and "(40, 256, 512, 1)" in reason and "dtype" in reason.lower()
+    _raises(bad, "group 1")
+
+
+def test_wrong_output_dtype():
+    data = _data()
+    c = data[0][0][2]
+    reason = _reason(_replace(data, 0, 0, 2, c.float()))
+    assert "group 0" in reason and "dtype" in reason.lower()
+
+
+def test_wrong_shape():
+    data = _data()
+    b = data[0][0][1]
+    reason = _reason(_replace(data, 0, 0, 1, b[:64]))
+    assert "group 0" in reason and "shape" in reason.lower()
+
+
+def test_wrong_strides():
+    data = _data()
+    a = data[0][0][0]
+    # Same shape, but M-major instead of K-contiguous.
+    a_t = a.view(torch.uint8).permute(2, 1, 0).contiguous().permute(2, 1, 0).view(torch.float4_e2m1fn_x2)
+    assert a_t.shape == a.shape and a_t.stride() != a.stride()
+    reason = _reason(_replace(data, 0, 0, 0, a_t))
+    assert "group 0" in reason and "stride" in reason.lower()
+
+
+def test_k_not_multiple_of_256():
+    data = _data(m=(64,), n=(128,), k=(128,))
+    reason = _reason(data)
+    assert "group 0" in reason and "256" in reason
+    _raises(data, "256")
+
+
+def test_l_not_one():
+    data = _data(m=(64,), n=(128,), k=(256,))
+    abc, sfs, sfs_r, sizes = data
+    sizes = [(64, 128, 256, 2)]
+    reason = _reason((abc, sfs, sfs_r, sizes))
+    assert "group 0" in reason and re.search(r"\bL\b|\bl\b", reason)
+
+
+def test_mismatched_lengths_and_empty():
+    abc, sfs, sfs_r, sizes = _data()
+    assert "length" in _reason((abc, sfs, sfs_r, sizes[:1])).lower()
+    assert "length" in _reason((abc[:1], sfs, sfs_r, sizes)).lower()
+    assert "empty" in _reason(([], [], [], [])).lower()
+    _raises(([], [], [], []), "(?i)empty")
+
+
+def test_sizes_disagree_with_tensors():
+    abc, sfs, sfs_r, sizes = _data()
+    reason = _reason((abc, sfs, sfs_r, [sizes[0], (48, 256, 512, 1)]))
+    assert "group 1" in reason
+
+
+def test_tensors_on_different_devices():
+    data = _data()
+    mixed = _replace(data, 0, 0, 2, torch.empty_strided(data[0][0][2].shape, data[0][0][2].stride(),
+                                                        dtype=torch.float16, device="meta"))
+    assert "device" in _reason(mixed).lower()
+
+
+def test_valid_shapes_pass_every_check_but_the_device():
+    # On meta tensors every shape/dtype/stride check passes; only "not a CUDA device" remains.
+    for case in [(96, 40), (1, 1000)], [(128, 129), (256, 128)]:
+        m, n = case
+        reason = _reason(_on_meta(_data(m=m, n=n, k=(256, 7168))))
+        assert re.search(r"(?i)cuda|gpu", reason) and "group" not in reason.lower(), reason
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The launch-metadata cache is keyed on everything it depends on
+# ---------------------------------------------------------------------------------------------------------
+def test_metadata_key_covers_problem_sizes():
+    # Regression: the seed-era cache keyed launch metadata on the pointers and the tile count only, so the
+    # same buffers reused with other problem sizes (same tile count) ran with the stale sizes.
+    data = _data(m=(96, 40), n=(128, 256), k=(256, 512))
+    abc, sfs, sfs_r, sizes = data
+    other = (abc, sfs, sfs_r, [(90, 128, 256, 1), (40, 256, 512, 1)])  # same pointers, same tile count
+    assert submission.launch_metadata_key(data) != submission.launch_metadata_key(other)
+
+
+def test_metadata_key_covers_every_pointer():
+    data = _data()
+    key = submission.launch_metadata_key(data)
+    for slot, index in [(0, 0), (0, 1), (0, 2), (2, 0), (2, 1)]:
+        t = data[slot][1][index]
+        assert submission.launch_metadata_key(_replace(data, 1, slot, index, t.clone())) != key, (slot, index)
+    assert submission.launch_metadata_key(data) == key  # deterministic
