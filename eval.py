@@ -13,7 +13,8 @@ Two ways to run it:
 
 `python eval.py compile [--arch sm_100a|sm_90a] [FILE]` needs no GPU: it builds the kernel for the group
 count of every case and prints, per case, OK or the error, registers and shared memory per CTA and the
-counts of the SASS instructions that matter. It needs `cuobjdump` and `nvdisasm` (the nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels).
+counts of the SASS instructions that matter. It needs `cuobjdump` and `nvdisasm` (the
+nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels).
 
 Run modes need a CUDA GPU; without one they exit with status 2 and a one-line reason.
 """
