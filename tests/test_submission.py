@@ -119,6 +119,12 @@ def test_k_not_multiple_of_256():
     _raises(data, "256")
 
 
+def test_n_not_multiple_of_128():
+    data = _on_meta(_data(m=(64, 64), n=(128, 200), k=(256, 256)))
+    reason = _reason(data)
+    assert "group 1" in reason and "(64, 200, 256, 1)" in reason and "128" in reason
+
+
 def test_l_not_one():
     data = _data(m=(64,), n=(128,), k=(256,))
     abc, sfs, sfs_r, sizes = data
@@ -150,8 +156,7 @@ def test_tensors_on_different_devices():
 
 def test_valid_shapes_pass_every_check_but_the_device():
     # On meta tensors every shape/dtype/stride check passes; only "not a CUDA device" remains.
-    for case in [(96, 40), (1, 1000)], [(128, 129), (256, 128)]:
-        m, n = case
+    for m, n in [((1, 1000), (128, 256)), ((129, 40), (7168, 128))]:
         reason = _reason(_on_meta(_data(m=m, n=n, k=(256, 7168))))
         assert re.search(r"(?i)cuda|gpu", reason) and "group" not in reason.lower(), reason
 
