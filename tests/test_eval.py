@@ -201,3 +201,17 @@ def test_no_gpu_exits_with_one_line_reason(popcorn):
     assert proc.returncode == 2
     lines = [x for x in proc.stderr.splitlines() if x.startswith("eval.py")]
     assert len(lines) == 1 and "no usable CUDA GPU" in lines[0]
+
+
+def test_unsupported_gpu_is_said_once(monkeypatch, capsys):
+    class UnsupportedDeviceError(RuntimeError):
+        pass
+
+    def no_kernel(data):
+        raise UnsupportedDeviceError("Some GPU (cuda:0) has compute capability 7.5; no kernel for it")
+
+    with _cpu_runner(monkeypatch, no_kernel):
+        rc = ev.human_test(_InlinePool(), ev.load_cases(str(ROOT / "task.yml"), "tests"))
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("compute capability 7.5") == 1 and "eval.py: cannot run 'test'" in err
