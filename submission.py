@@ -13,20 +13,35 @@ The kernel reads the scales in the blocked tcgen05 layout (the `sfasfb_reordered
 Constraints (stated once, in `can_implement`): L == 1; any M >= 1; N a multiple of 128; K a multiple of
 256; the task generator's dense layouts; every tensor the kernel reads on one CUDA device, 16-byte aligned.
 
-How it runs on Blackwell (sm_100a): one CTA per 128x128 output tile of any group. Warp 0 rewrites this
-CTA's four TMA descriptors (A, B, SFA, SFB) for its group, then loads 128x256 K-slices by TMA and issues
-tcgen05 block-scaled MMAs into tensor memory; all four warps then move the accumulator from tensor memory
-to registers and store fp16 to global memory. Hopper (sm_90) has no fp4 tensor cores; its kernel is not
-written yet and will share the host path below (constraint check, metadata tables, caches).
+How it runs on Blackwell (sm_100a): three variants (`KERNEL_VARIANT`, `set_variant`), newest first:
+
+* "persistent" (default, `Sm100PersistentGroupedGemmKernel`): one CTA per SM walks the output tiles of all
+  groups (static round-robin `GroupTileScheduler`). Warp 5 loads A, B, SFA, SFB by TMA into a multi-stage
+  shared-memory ring, warp 4 issues tcgen05 block-scaled MMAs into one of two tensor-memory accumulators,
+  warps 0-3 move the finished accumulator to registers, fp16, shared memory and out by TMA store (rows past
+  M clipped by the TMA unit). Each group's five TMA descriptors are written once per input set by a small
+  preparation kernel (`Sm100GroupTensormapKernel`); the GEMM only acquires them.
+* "persistent_per_cta": the same kernel with CUTLASS's descriptor scheme: each CTA keeps its own five
+  descriptors and rewrites them when its next tile is in another group.
+* "seed" (`Sm100BlockScaledGroupedGemmKernel`): the leaderboard seed's proven structure, one CTA per
+  128x128 tile, warp 0 loads and multiplies with one stage, SIMT epilogue. The last fallback.
+docs/B200_DESIGN.md has the design, per-benchmark predictions and what no B200 has checked yet.
+
+Hopper (sm_90) has no fp4 tensor cores; its kernel is not in this file yet and will share the host path
+below (constraint check, metadata tables, caches, scheduler).
 
 How to use it:
     custom_kernel(data)      GPU MODE entry point; data = (abc, sfasfb, sfasfb_reordered, problem_sizes)
     can_implement(data)      (ok, reason) on CPU or GPU tensors, no GPU needed
-    compile_for(num_groups, arch=None)
+    set_variant(name)        one of KERNEL_VARIANTS; custom_kernel uses KERNEL_VARIANT at each call
+                             (NVFP4_KERNEL_VARIANT=name in the environment sets it at import)
+    compile_for(num_groups, arch=None, variant=None)
                              build only; to build without a GPU set CUTE_DSL_ARCH=sm_100a and ask the DSL to
                              keep the cubin (4.3.x: CUTE_DSL_KEEP_CUBIN=1, 4.8.x: CUTE_DSL_KEEP=cubin) in
                              CUTE_DSL_DUMP_DIR. DSL 4.3.x then raises DSLRuntimeError (no CUDA driver) after
                              writing the cubin; 4.8.x returns.
+    kernel_resources(variant=None)
+                             shared memory, tensor-memory columns, stages and threads of a variant's kernel
 Builds with nvidia-cutlass-dsl 4.3.5 and 4.8.1.
 """
 import dataclasses
@@ -35,6 +50,7 @@ import functools
 import importlib.metadata
 import os
 from collections import OrderedDict
+from operator import is_
 from typing import Callable, Optional
 
 import torch
@@ -56,27 +72,48 @@ try:  # 4.8: allocators moved to cutlass.memory (cutlass.utils keeps deprecated 
     from cutlass.memory import SmemAllocator, TmemAllocator
 except ImportError:  # 4.3
     from cutlass.utils import SmemAllocator, TmemAllocator
-try:  # 4.8: tensormap helpers moved to cutlass.tensor_utils
-    from cutlass.tensor_utils import TensorMapManager, TensorMapUpdateMode
+try:  # 4.8: tensormap helpers and LayoutEnum moved to cutlass.tensor_utils
+    from cutlass.tensor_utils import LayoutEnum, TensorMapManager, TensorMapUpdateMode
 except ImportError:  # 4.3
-    from cutlass.utils import TensorMapManager, TensorMapUpdateMode
+    from cutlass.utils import LayoutEnum, TensorMapManager, TensorMapUpdateMode
 
 DSL_VERSION = importlib.metadata.version("nvidia-cutlass-dsl")
+
+
+def fence_smem_for_async_proxy():
+    """Orders this thread's shared-memory stores before later async-proxy reads (TMA store).
+
+    4.3 takes enums (cute.arch.ProxyKind / SharedSpace), 4.8 takes strings ("async.shared", "cta").
+    """
+    if hasattr(cute.arch, "ProxyKind"):
+        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+    else:
+        cute.arch.fence_proxy("async.shared", space="cta")
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------------------------------------
+# Hardware budgets of one sm_100 SM (the CUDA occupancy tables: 227 KiB of shared memory per block, static
+# and dynamic together; 512 tensor-memory columns of 128 lanes x 32 bit).
+SM100_SMEM_CAPACITY = 232448
+SM100_TMEM_COLUMNS = 512
+# Static shared memory the DSL gives every kernel built here (cuobjdump -res-usage SHARED), outside the
+# dynamic allocation the kernel sizes itself.
+DSL_STATIC_SMEM_BYTES = 1024
+SM100_DYNAMIC_SMEM_BUDGET = SM100_SMEM_CAPACITY - DSL_STATIC_SMEM_BYTES
+
+
 @dataclasses.dataclass(frozen=True)
 class Sm100GemmConfig:
-    """Compile-time configuration of `Sm100BlockScaledGroupedGemmKernel` (everything baked in but G)."""
+    """Compile-time configuration of the seed kernel `Sm100BlockScaledGroupedGemmKernel`."""
 
     # One CTA-group tcgen05 MMA covers 128 rows; K = 256 is four 64-deep NVFP4 MMA instructions, which is
     # one 128-byte swizzle row of fp4 per operand row.
     mma_tiler_mnk: tuple = (128, 128, 256)
     mma_inst_k: int = 64
     # NOTES: warp 0 both loads and multiplies, waiting on each load before its MMAs, so more stages would
-    # buy nothing until loading and MMA get their own warps.
+    # buy nothing until loading and MMA get their own warps (they do in the persistent kernel).
     num_ab_stages: int = 1
     # One output tile per CTA, so one accumulator.
     num_acc_stages: int = 1
@@ -103,8 +140,173 @@ class Sm100GemmConfig:
     def tile_mn(self) -> tuple:
         return self.mma_tiler_mnk[:2]
 
+    def resources(self) -> dict:
+        rows, tile_k = self.tile_mn[0] + self.tile_mn[1], self.mma_tiler_mnk[2]
+        ab_stage_bytes = rows * tile_k // 2 + rows * tile_k // self.sf_vec_size  # fp4 A, B + e4m3 scales
+        return dict(kernel="Sm100BlockScaledGroupedGemmKernel", tile_mnk=self.mma_tiler_mnk,
+                    threads=self.threads_per_cta, ab_stages=self.num_ab_stages, ab_stage_bytes=ab_stage_bytes,
+                    acc_stages=self.num_acc_stages, tmem_alloc_cols=self.num_tmem_cols,
+                    smem_bytes_min=ab_stage_bytes * self.num_ab_stages + 4 * TENSORMAP_BYTES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm100PersistentConfig:
+    """Compile-time configuration of `Sm100PersistentGroupedGemmKernel` (everything baked in but G).
+
+    The stage counts are derived here from the shared-memory budget, so the compile key (which holds
+    this object) and `kernel_resources` see them without building anything.
+    """
+
+    # (M, N, K) of one CTA's output tile and K step. M = 128 is one 1-CTA tcgen05 MMA; K = 256 is four
+    # 64-deep NVFP4 instructions and one 128-byte swizzle row of fp4 per operand row.
+    mma_tiler_mnk: tuple = (128, 128, 256)
+    mma_inst_k: int = 64
+    # Two accumulators in tensor memory: the epilogue drains tile i while the MMA warp fills tile i + 1.
+    # (N = 256 fits one: 2 x 256 columns leave none for the scales.)
+    num_acc_stages: int = 2
+    # Output written in 128 x 32 fp16 slices (8 KiB): what sm100_utils.compute_epilogue_tile_shape picks
+    # for an fp16 row-major C without source; checked against the DSL's layout at build time.
+    epi_tile_n: int = 32
+    # At least two C slices in flight; spare shared memory adds more.
+    min_c_stages: int = 2
+    # Barriers (2 per A/B and accumulator stage), the tensor-memory address and the five 128-byte TMA
+    # descriptors fit in the first 1 KiB, ahead of the 1024-byte aligned buffers.
+    smem_header_bytes: int = 1024
+    # True: each group's descriptors written once per input set by a preparation kernel, roles only
+    # acquire them. False: CUTLASS's grouped example, each CTA patches its own copy on a group change.
+    descriptors_up_front: bool = True
+    sf_vec_size: int = 16
+    ab_dtype: type = cutlass.Float4E2M1FN
+    sf_dtype: type = cutlass.Float8E4M3FN
+    c_dtype: type = cutlass.Float16
+    acc_dtype: type = cutlass.Float32
+
+    def __post_init__(self):
+        tile_m, tile_n, tile_k = self.mma_tiler_mnk
+        # NOTES: only the 1-CTA, M = 128 MMA is written, with N = 128 or 256 (whole 128-row scale blocks
+        # of B); N = 64 needs the SFB column shift of CUTLASS's dense block-scaled example: see
+        # docs/B200_DESIGN.md.
+        if (tile_m != 128 or tile_n not in (128, 256) or tile_k != 256 or self.mma_inst_k != 64
+                or self.sf_vec_size != 16):
+            raise ValueError(f"Sm100PersistentConfig: tile {self.mma_tiler_mnk} / inst_k {self.mma_inst_k} / "
+                             f"sf_vec {self.sf_vec_size}: only (128, 128 or 256, 256) / 64 / 16 is built and checked")
+        if self.tmem_cols_used > SM100_TMEM_COLUMNS:
+            raise ValueError(f"{self.tmem_cols_used} tensor-memory columns needed, {SM100_TMEM_COLUMNS} exist")
+        if self.num_ab_stages < 2:
+            raise ValueError("fewer than 2 A/B stages fit in shared memory")
+
+    @property
+    def tile_mn(self) -> tuple:
+        return self.mma_tiler_mnk[:2]
+
+    @property
+    def ab_stage_bytes(self) -> int:
+        """A, B (fp4) and SFA, SFB (one e4m3 per 16 k, rows padded to 128) of one K step."""
+        tile_m, tile_n, tile_k = self.mma_tiler_mnk
+        sf_rows = tile_m + ceil_div(tile_n, 128) * 128
+        return (tile_m + tile_n) * tile_k // 2 + sf_rows * tile_k // self.sf_vec_size
+
+    @property
+    def c_stage_bytes(self) -> int:
+        return self.mma_tiler_mnk[0] * self.epi_tile_n * self.c_dtype.width // 8
+
+    @property
+    def num_ab_stages(self) -> int:
+        free = SM100_DYNAMIC_SMEM_BUDGET - self.smem_header_bytes - self.min_c_stages * self.c_stage_bytes
+        return free // self.ab_stage_bytes
+
+    @property
+    def num_c_stages(self) -> int:
+        free = SM100_DYNAMIC_SMEM_BUDGET - self.smem_header_bytes - self.num_ab_stages * self.ab_stage_bytes
+        return free // self.c_stage_bytes
+
+    @property
+    def smem_bytes(self) -> int:
+        return (self.smem_header_bytes + self.num_ab_stages * self.ab_stage_bytes
+                + self.num_c_stages * self.c_stage_bytes)
+
+    @property
+    def tmem_cols_used(self) -> int:
+        """Accumulators (one fp32 column per output column) plus one K step of SFA and SFB: a 128-row x
+        4-scale block takes 4 columns (32 lanes x 16 bytes, copied to all four lane quarters)."""
+        tile_m, tile_n, tile_k = self.mma_tiler_mnk
+        sf_cols_per_128_rows = tile_k // self.sf_vec_size // 4 * 4
+        return self.num_acc_stages * tile_n + sf_cols_per_128_rows * (ceil_div(tile_m, 128) + ceil_div(tile_n, 128))
+
+    @property
+    def tmem_alloc_cols(self) -> int:
+        """The allocation: a power of two of at least 32 columns."""
+        cols = 32
+        while cols < self.tmem_cols_used:
+            cols *= 2
+        return cols
+
+    def resources(self) -> dict:
+        return dict(kernel="Sm100PersistentGroupedGemmKernel", descriptors_up_front=self.descriptors_up_front,
+                    tile_mnk=self.mma_tiler_mnk,
+                    threads=32 * len(Sm100Warp), ab_stages=self.num_ab_stages, ab_stage_bytes=self.ab_stage_bytes,
+                    acc_stages=self.num_acc_stages, c_stages=self.num_c_stages, c_stage_bytes=self.c_stage_bytes,
+                    smem_bytes=self.smem_bytes, smem_budget=SM100_DYNAMIC_SMEM_BUDGET,
+                    tmem_cols_used=self.tmem_cols_used, tmem_alloc_cols=self.tmem_alloc_cols)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+class Sm100Warp(enum.IntEnum):
+    """Warp roles of the persistent kernel (warps 0-3: epilogue, one thread per accumulator row)."""
+
+    EPILOGUE0 = 0
+    EPILOGUE1 = 1
+    EPILOGUE2 = 2
+    EPILOGUE3 = 3
+    MMA = 4
+    TMA = 5
+
 
 SM100_CONFIG = Sm100GemmConfig()
+
+# The kernel custom_kernel runs, from the newest design to the seed's proven structure (a ladder to walk
+# down on a B200 if a step fails): change KERNEL_VARIANT here, or call set_variant() at run time; every
+# variant's compiled kernels and launch metadata stay cached side by side.
+#   "persistent"          persistent, warp-specialized; descriptors prepared once per group up front
+#   "persistent_per_cta"  the same kernel, descriptors patched per CTA on a group change (CUTLASS example)
+#   "seed"                one CTA per 128x128 tile, one stage, SIMT epilogue (the leaderboard seed)
+# and, to be measured against "persistent" (docs/B200_DESIGN.md, tile table):
+#   "persistent_n256"     128x256 tiles, one accumulator stage
+VARIANT_CONFIGS = {
+    "persistent": Sm100PersistentConfig(descriptors_up_front=True),
+    "persistent_per_cta": Sm100PersistentConfig(descriptors_up_front=False),
+    "seed": SM100_CONFIG,
+    "persistent_n256": Sm100PersistentConfig(mma_tiler_mnk=(128, 256, 256), num_acc_stages=1),
+}
+KERNEL_VARIANTS = tuple(VARIANT_CONFIGS)
+# A fresh interpreter (eval.py's spawned workers) can start on another variant through the environment;
+# the leaderboard runner never sets it.
+KERNEL_VARIANT = os.environ.get("NVFP4_KERNEL_VARIANT", "persistent")
+if KERNEL_VARIANT not in VARIANT_CONFIGS:
+    raise ValueError(f"NVFP4_KERNEL_VARIANT={KERNEL_VARIANT!r}: choose one of {KERNEL_VARIANTS}")
+
+
+def set_variant(name: str) -> None:
+    """Select the kernel custom_kernel launches from now on (one of KERNEL_VARIANTS)."""
+    global KERNEL_VARIANT
+    if name not in VARIANT_CONFIGS:
+        raise ValueError(f"unknown kernel variant {name!r}; choose one of {KERNEL_VARIANTS}")
+    KERNEL_VARIANT = name
+
+
+def variant_config(variant: str):
+    return VARIANT_CONFIGS[variant]
+
+
+def kernel_resources(variant: Optional[str] = None) -> dict:
+    """Shared memory, tensor-memory columns, stages and threads of a variant's kernel (no build needed)."""
+    if variant is not None and variant not in VARIANT_CONFIGS:
+        raise ValueError(f"unknown kernel variant {variant!r}; choose one of {KERNEL_VARIANTS}")
+    return variant_config(variant or KERNEL_VARIANT).resources()
+
 
 # TMA needs 16-byte aligned global addresses; the kernel assumes it of every operand and of C.
 GMEM_ALIGN_BYTES = 16
@@ -114,6 +316,8 @@ TENSORMAP_BYTES = 128
 METADATA_ALIGN_BYTES = 16
 # K a multiple of the tile's K, as the task guarantees: only whole K tiles were built and reasoned about.
 K_MULTIPLE = 256
+# N a multiple of the tile's N: partial N tiles are never built.
+N_MULTIPLE = 128
 
 TORCH_AB_DTYPE = torch.float4_e2m1fn_x2
 TORCH_SF_DTYPE = torch.float8_e4m3fn
@@ -146,10 +350,6 @@ class SizeColumn(enum.IntEnum):
     L = 3
 
 
-def ceil_div(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
 def num_output_tiles(sizes, tile_mn: tuple) -> int:
     return sum(ceil_div(m, tile_mn[0]) * ceil_div(n, tile_mn[1]) for m, n, _, _ in sizes)
 
@@ -180,7 +380,7 @@ def launch_metadata_key(data, tile_mn: tuple = SM100_CONFIG.tile_mn) -> tuple:
     """Everything the launch metadata (pointer/size tables, descriptor workspace) is built from.
 
     Device, every pointer the kernel reads or writes, every problem size, and the tile shape that sets the
-    number of CTAs. Strides are not in it: `can_implement` pins them to a function of the sizes.
+    number of tiles. Strides are not in it: `can_implement` pins them to a function of the sizes.
     Pure function of tensor metadata; works on CPU tensors.
     """
     abc, _, sfasfb_r, sizes = data
@@ -197,9 +397,11 @@ class LaunchMetadata:
 
     ptr_table: torch.Tensor  # int64 [G, PtrColumn]
     size_table: torch.Tensor  # int32 [G, SizeColumn]
-    workspace: torch.Tensor  # the kernel's scratch (Sm100: 512 bytes of TMA descriptors per CTA)
+    workspace: torch.Tensor  # TMA descriptors (seed: 4 per tile; persistent: 5 per group or per CTA)
     num_tiles: int
-    launch_args: tuple  # what the compiled kernel is called with
+    num_ctas: int
+    launch_args: tuple  # what the compiled GEMM kernel is called with
+    table_args: tuple  # pointer table, size table, workspace: what a descriptor preparation kernel takes
 
 
 # Bounded: the benchmark cycles through 15 input sets per shape; 64 covers that with room, and entries
@@ -234,7 +436,8 @@ def group_tile_coord(
     """Output tile `tile_idx` of all groups' tile grids laid end to end -> (group, tile row, tile column).
 
     Tiles are numbered group by group, M fastest within a group. The launch grid holds exactly the total
-    tile count, so the last group takes whatever is left and needs no test.
+    tile count, so the last group takes whatever is left and needs no test. (Seed kernel: one search per
+    CTA; the persistent kernel walks with `GroupTileScheduler` instead.)
     """
     group_idx = cutlass.Int32(0)
     tile_in_group = tile_idx
@@ -247,6 +450,63 @@ def group_tile_coord(
                 tile_in_group = tile_in_group - tiles_g
     tiles_m = cute.ceil_div(problem_sizes[group_idx, int(SizeColumn.M)], tile_m)
     return group_idx, tile_in_group % tiles_m, tile_in_group // tiles_m
+
+
+class GroupTileScheduler:
+    """Static persistent schedule over the output tiles of all groups (arch-neutral).
+
+    Tiles are numbered group by group and, inside a group, M fastest: CTAs that run at the same time work
+    on neighbouring M tiles of one N column and so share that B tile (the large operand) through L2.
+    CTA b takes tiles b, b + grid, b + 2 grid, ... below `num_tiles`; every warp role of a CTA walks the
+    same sequence on its own, so the roles need no scheduling messages.
+
+    The group of a tile is found by a forward search that resumes where the previous tile's search
+    stopped (a CTA's tile index only grows): over a whole launch a CTA reads each group's size row at most
+    once, whatever G is, and no loop is unrolled over G.
+
+    The walk state is four Int32 values (tile, group, first tile of the group, tiles in the group) that
+    the role loops carry; this object holds only the size table and the tile shape.
+    """
+
+    def __init__(self, size_table: cute.Tensor, tile_m: int, tile_n: int):
+        self.size_table = size_table
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+
+    # A DSL value (the role loops carry it): its runtime part is the size table.
+    def __extract_mlir_values__(self):
+        return cutlass.extract_mlir_values(self.size_table)
+
+    def __new_from_mlir_values__(self, values):
+        return GroupTileScheduler(cutlass.new_from_mlir_values(self.size_table, values), self.tile_m, self.tile_n)
+
+    @cute.jit
+    def tiles_in_group(self, group: cutlass.Int32) -> cutlass.Int32:
+        m = self.size_table[group, int(SizeColumn.M)]
+        n = self.size_table[group, int(SizeColumn.N)]
+        return ((m + (self.tile_m - 1)) // self.tile_m) * ((n + (self.tile_n - 1)) // self.tile_n)
+
+    @cute.jit
+    def first_state(self):
+        """(group, first tile of the group, tiles in the group) before any search: group 0."""
+        return cutlass.Int32(0), cutlass.Int32(0), self.tiles_in_group(cutlass.Int32(0))
+
+    @cute.jit
+    def find_group(self, tile_idx: cutlass.Int32, group: cutlass.Int32, group_first: cutlass.Int32,
+                   group_tiles: cutlass.Int32):
+        """Advances (group, first tile, tile count) until tile_idx lies in the group; tile_idx < num_tiles."""
+        while tile_idx >= group_first + group_tiles:
+            group_first = group_first + group_tiles
+            group = group + 1
+            group_tiles = self.tiles_in_group(group)
+        return group, group_first, group_tiles
+
+    @cute.jit
+    def tile_coord(self, tile_idx: cutlass.Int32, group_first: cutlass.Int32, m: cutlass.Int32):
+        """(tile row, tile column) of tile_idx inside its group, whose first tile is group_first."""
+        local = tile_idx - group_first
+        tiles_m = (m + (self.tile_m - 1)) // self.tile_m
+        return local % tiles_m, local // tiles_m
 
 
 def make_operand_tensors(a_addr, b_addr, sfa_addr, sfb_addr, m, n, k, ab_dtype, sf_dtype, sf_vec_size: int):
@@ -273,8 +533,86 @@ def make_operand_tensors(a_addr, b_addr, sfa_addr, sfb_addr, m, n, k, ab_dtype, 
     )
 
 
+def make_output_tensor(c_addr, m, n, c_dtype):
+    """Global C (m, n, l), N contiguous; N % 128 == 0, so every row starts 16-byte aligned (TMA store)."""
+    c_ptr = cute.make_ptr(c_dtype, c_addr, cute.AddressSpace.gmem, assumed_align=GMEM_ALIGN_BYTES)
+    return cute.make_tensor(c_ptr, cute.make_layout((m, n, 1), stride=(cute.assume(n, 128), 1,
+                                                                      cute.assume(m * n, 128))))
+
+
+class TmaDescriptorRows:
+    """Where a kernel's TMA descriptors live in its global workspace, and how a warp role gets them.
+
+    The workspace is rows of `len(Sm100TensorMapSlot)` 128-byte descriptors.
+
+    up_front=True: row g holds group g's descriptors, written before the kernel by a preparation kernel
+      (`Sm100GroupTensormapKernel`). A role only acquires a group's row (fence.proxy.tensormap acquire)
+      when its tile changes group; `stage_from_atoms` and `patch` are never needed.
+    up_front=False (CUTLASS's grouped example): row b belongs to CTA b. `stage_from_atoms` copies the
+      host-made descriptors into this CTA's shared-memory staging slots once; `patch` rewrites a group's
+      address and sizes there and releases the result to the row; `acquire` then fences the row.
+
+    A DSL value (the role loops carry it); its runtime parts are the workspace tensor, the CTA index and
+    the shared-memory staging pointer.
+    """
+
+    def __init__(self, up_front: bool, tensormaps: cute.Tensor, cta_idx, smem_staging_ptr):
+        self.up_front = up_front
+        self.tensormaps = tensormaps
+        self.cta_idx = cta_idx
+        # The struct member's pointer type only carries 8-byte alignment; the descriptor ops need the 128
+        # bytes that the shared-storage Align guarantees, so the pointer is remade with it.
+        self.smem_staging_ptr = cute.make_ptr(cutlass.Int64, smem_staging_ptr.toint(), cute.AddressSpace.smem,
+                                              assumed_align=TENSORMAP_BYTES)
+        self.manager = TensorMapManager(TensorMapUpdateMode.SMEM, TENSORMAP_BYTES)
+
+    def __extract_mlir_values__(self):
+        parts = [cutlass.extract_mlir_values(x) for x in (self.tensormaps, self.cta_idx, self.smem_staging_ptr)]
+        self._value_counts = [len(p) for p in parts]
+        return [v for p in parts for v in p]
+
+    def __new_from_mlir_values__(self, values):
+        n_tensormaps, n_cta, _ = self._value_counts
+        new = object.__new__(TmaDescriptorRows)
+        new.up_front, new.manager, new._value_counts = self.up_front, self.manager, self._value_counts
+        new.tensormaps = cutlass.new_from_mlir_values(self.tensormaps, values[:n_tensormaps])
+        new.cta_idx = cutlass.new_from_mlir_values(self.cta_idx, values[n_tensormaps:n_tensormaps + n_cta])
+        new.smem_staging_ptr = cutlass.new_from_mlir_values(self.smem_staging_ptr, values[n_tensormaps + n_cta:])
+        return new
+
+    def _row(self, group):
+        return group if self.up_front else self.cta_idx
+
+    def _gmem_ptr(self, row, slot):
+        return self.manager.get_tensormap_ptr(self.tensormaps[(row, int(slot), None)].iterator)
+
+    def _smem_ptr(self, slot):
+        return self.smem_staging_ptr + int(slot) * (TENSORMAP_BYTES // 8)
+
+    def stage_from_atoms(self, atoms: tuple, slots: tuple, warp_id: int):
+        """Per-CTA rows only: the host-made descriptors of `atoms` into the staging slots (by `warp_id`)."""
+        if not self.up_front:
+            for atom, slot in zip(atoms, slots):
+                self.manager.init_tensormap_from_atom(atom, self._smem_ptr(slot), warp_id)
+
+    def patch(self, tensors: tuple, atoms: tuple, slots: tuple, warp_id: int):
+        """Per-CTA rows only: staging slots rewritten for `tensors`, released to this CTA's row."""
+        self.manager.update_tensormap(tensors, atoms, tuple(self._gmem_ptr(self.cta_idx, s) for s in slots),
+                                      warp_id, tuple(self._smem_ptr(s) for s in slots))
+
+    def acquire(self, group, slots: tuple):
+        """Makes the row used for `group` visible to this thread's TMA operations."""
+        for slot in slots:
+            self.manager.fence_tensormap_update(self._gmem_ptr(self._row(group), slot))
+
+    def for_tma(self, group, slots: tuple) -> tuple:
+        """Generic-address descriptor pointers for the TMA copies of a tile of `group`."""
+        return tuple(self.manager.get_tensormap_ptr(self._gmem_ptr(self._row(group), slot), cute.AddressSpace.generic)
+                     for slot in slots)
+
+
 # ---------------------------------------------------------------------------------------------------------
-# Blackwell (sm_100a) kernel
+# Blackwell (sm_100a) seed kernel (variant "seed")
 # ---------------------------------------------------------------------------------------------------------
 class NamedBarrierId(enum.IntEnum):
     # 0 is the CTA-wide barrier (cute.arch.barrier)
@@ -705,36 +1043,717 @@ class Sm100BlockScaledGroupedGemmKernel:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Blackwell (sm_100a) persistent kernel and its descriptor preparation
+# ---------------------------------------------------------------------------------------------------------
+class Sm100BarrierId(enum.IntEnum):
+    """Named barriers of the persistent kernel (0 is the CTA-wide barrier)."""
+
+    EPILOGUE = 1  # the four epilogue warps, around each shared-memory C slice
+    TMEM_ALLOC = 2  # epilogue warps + MMA warp: the tensor-memory address is in shared memory
+
+
+class Sm100TensorMapSlot(enum.IntEnum):
+    """The TMA descriptors of one workspace row (a group's, or a CTA's), in workspace order."""
+
+    A = 0
+    B = 1
+    SFA = 2
+    SFB = 3
+    C = 4
+
+
+LOAD_SLOTS = (Sm100TensorMapSlot.A, Sm100TensorMapSlot.B, Sm100TensorMapSlot.SFA, Sm100TensorMapSlot.SFB)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm100TmaSetup:
+    """What the host side of both persistent jit functions builds the same way: the MMA, shared-memory
+    layouts, and TMA atoms made on placeholder tensors (whose descriptors get rewritten per group)."""
+
+    tiled_mma: object
+    a_smem_layout_staged: object
+    b_smem_layout_staged: object
+    sfa_smem_layout_staged: object
+    sfb_smem_layout_staged: object
+    c_smem_layout_staged: object
+    epi_tile: object
+    tma_atoms: tuple  # (A, B, SFA, SFB, C), Sm100TensorMapSlot order
+    tma_tensors: tuple  # coordinate tensors of the atoms, same order
+    ab_stage_bytes: int
+
+
+class Sm100PersistentGroupedGemmKernel:
+    """NVFP4 grouped GEMM on tcgen05, persistent and warp-specialized: C_g = (A_g * SFA_g) @ (B_g * SFB_g)^T.
+
+    Grid: (min(output tiles, SMs), 1, 1), one CTA per SM (shared memory is sized for one). Every role walks
+    the tiles b, b + grid, ... of `GroupTileScheduler`. 192 threads, roles by warp (`Sm100Warp`):
+
+    * warp 5, TMA producer. Per 256-deep K step: TMA loads of A, B, SFA, SFB into stage s of the ab
+      pipeline, through the descriptors of the tile's group (see "Descriptors").
+    * warp 4, MMA issuer. Per tile: waits for a free accumulator stage; per K step waits for stage s, copies
+      SFA/SFB from shared to tensor memory (tcgen05.cp), issues four 128x128x64 block-scaled MMAs and
+      releases stage s when they complete (tcgen05.commit); then commits the accumulator.
+    * warps 0-3, epilogue. Warp 0 allocates tensor memory and issues the C stores. Per tile: waits for the
+      accumulator; per 128x32 slice: tensor memory -> registers (thread i = row i) -> fp16 -> shared-memory
+      slice c -> TMA store by warp 0 (rows >= M clipped by the TMA unit); releases the accumulator after
+      the last slice.
+
+    Pipelines (producer -> consumer, arrive counts):
+      ab   PipelineTmaUmma   num_ab_stages   TMA warp (expect-tx of one stage's bytes) -> MMA warp (commit)
+      acc  PipelineUmmaAsync num_acc_stages  MMA warp (commit) -> 4 epilogue warps (one elected lane each)
+      c    PipelineTmaStore  num_c_stages    epilogue warp 0's bulk groups (wait until a slice's store has
+                                             read shared memory before the slice is rewritten)
+
+    Descriptors (config.descriptors_up_front):
+      True   one row of 5 descriptors per group, written once per input set by `prepare_tensormaps`
+             (`Sm100GroupTensormapKernel`, one CTA per group) before the first launch on it; the roles
+             only acquire (fence.proxy.tensormap) a group's row when their tile changes group.
+      False  CUTLASS's grouped example: one row per CTA; the TMA warp (A/B/SFA/SFB) and epilogue warp 0 (C)
+             copy the host-made descriptors to shared memory once, and when the tile's group changes patch
+             address and sizes there, release the row to global memory and acquire it.
+
+    Tensor memory: num_acc_stages x 128 fp32 columns of accumulator, then one K step of SFA and of SFB.
+    Shared memory: header (barriers, tensor-memory address, 5 staging descriptors), C slices, A, B, SFA,
+    SFB stages.
+    """
+
+    threads_per_cta = 32 * len(Sm100Warp)
+    num_epilogue_warps = 4
+    num_tensormaps = len(Sm100TensorMapSlot)
+
+    def __init__(self, config: Sm100PersistentConfig):
+        self.config = config
+        self.tile_m, self.tile_n, self.tile_k = config.mma_tiler_mnk
+        self.num_ab_stages = config.num_ab_stages
+        self.num_acc_stages = config.num_acc_stages
+        self.num_c_stages = config.num_c_stages
+
+    @staticmethod
+    def tensormap_workspace_bytes(config: Sm100PersistentConfig, num_groups: int, num_ctas: int) -> int:
+        rows = num_groups if config.descriptors_up_front else num_ctas
+        return rows * Sm100PersistentGroupedGemmKernel.num_tensormaps * TENSORMAP_BYTES
+
+    # -----------------------------------------------------------------------------------------------------
+    # Host side: MMA, shared-memory layouts, TMA atoms on placeholder tensors, launch
+    # -----------------------------------------------------------------------------------------------------
+    def _tma_setup(self) -> Sm100TmaSetup:
+        """Called inside both jit host functions, so the prepared descriptors match the GEMM's atoms."""
+        cfg = self.config
+        tiled_mma = cute.make_tiled_mma(
+            tcgen05.MmaMXF4NVF4Op(cfg.sf_dtype, (self.tile_m, self.tile_n, cfg.mma_inst_k),
+                                  tcgen05.CtaGroup.ONE, tcgen05.OperandSource.SMEM)
+        )
+        tiler = cfg.mma_tiler_mnk
+        a_smem_layout_staged = sm100_utils.make_smem_layout_a(tiled_mma, tiler, cfg.ab_dtype, self.num_ab_stages)
+        b_smem_layout_staged = sm100_utils.make_smem_layout_b(tiled_mma, tiler, cfg.ab_dtype, self.num_ab_stages)
+        sfa_smem_layout_staged = blockscaled_utils.make_smem_layout_sfa(tiled_mma, tiler, cfg.sf_vec_size,
+                                                                        self.num_ab_stages)
+        sfb_smem_layout_staged = blockscaled_utils.make_smem_layout_sfb(tiled_mma, tiler, cfg.sf_vec_size,
+                                                                        self.num_ab_stages)
+        epi_tile = sm100_utils.compute_epilogue_tile_shape(tiler, False, LayoutEnum.ROW_MAJOR, cfg.c_dtype)
+        c_smem_layout_staged = sm100_utils.make_smem_layout_epi(cfg.c_dtype, LayoutEnum.ROW_MAJOR, epi_tile,
+                                                                self.num_c_stages)
+
+        # Runtime placeholder sizes keep the coordinate tensors' extents open (static ones would bake a
+        # fixed extent into every tile's coordinates); the descriptors get each group's real ones.
+        placeholder = cutlass.Int32(128)
+        a0, b0, sfa0, sfb0 = make_operand_tensors(
+            0, 0, 0, 0, placeholder, placeholder, placeholder, cfg.ab_dtype, cfg.sf_dtype, cfg.sf_vec_size)
+        c0 = make_output_tensor(0, placeholder, placeholder, cfg.c_dtype)
+        cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma.thr_id.shape,))
+        load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        a_smem_layout = cute.slice_(a_smem_layout_staged, (None, None, None, 0))
+        b_smem_layout = cute.slice_(b_smem_layout_staged, (None, None, None, 0))
+        sfa_smem_layout = cute.slice_(sfa_smem_layout_staged, (None, None, None, 0))
+        sfb_smem_layout = cute.slice_(sfb_smem_layout_staged, (None, None, None, 0))
+        c_smem_layout = cute.slice_(c_smem_layout_staged, (None, None, 0))
+        tma_atom_a, mA_mkl = cute.nvgpu.make_tiled_tma_atom_A(
+            load_op, a0, a_smem_layout, tiler, tiled_mma, cluster_layout_vmnk.shape)
+        tma_atom_b, mB_nkl = cute.nvgpu.make_tiled_tma_atom_B(
+            load_op, b0, b_smem_layout, tiler, tiled_mma, cluster_layout_vmnk.shape)
+        # Scales go through TMA as 16-bit elements, as in CUTLASS's block-scaled examples.
+        tma_atom_sfa, mSFA_mkl = cute.nvgpu.make_tiled_tma_atom_A(
+            load_op, sfa0, sfa_smem_layout, tiler, tiled_mma, cluster_layout_vmnk.shape, internal_type=cutlass.Int16)
+        tma_atom_sfb, mSFB_nkl = cute.nvgpu.make_tiled_tma_atom_B(
+            load_op, sfb0, sfb_smem_layout, tiler, tiled_mma, cluster_layout_vmnk.shape, internal_type=cutlass.Int16)
+        tma_atom_c, mC_mnl = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c0, c_smem_layout,
+                                                         epi_tile)
+
+        # The config's byte counts (which set the stage counts) must be the DSL's.
+        ab_stage_bytes = (cute.size_in_bytes(cfg.ab_dtype, a_smem_layout) + cute.size_in_bytes(cfg.ab_dtype, b_smem_layout)
+                          + cute.size_in_bytes(cfg.sf_dtype, sfa_smem_layout)
+                          + cute.size_in_bytes(cfg.sf_dtype, sfb_smem_layout))
+        c_stage_bytes = cute.size_in_bytes(cfg.c_dtype, c_smem_layout)
+        if ab_stage_bytes != cfg.ab_stage_bytes or c_stage_bytes != cfg.c_stage_bytes:
+            raise ValueError(f"stage bytes: DSL A/B/SF {ab_stage_bytes}, C {c_stage_bytes}; config "
+                             f"{cfg.ab_stage_bytes}, {cfg.c_stage_bytes}")
+        return Sm100TmaSetup(
+            tiled_mma, a_smem_layout_staged, b_smem_layout_staged, sfa_smem_layout_staged, sfb_smem_layout_staged,
+            c_smem_layout_staged, epi_tile, (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, tma_atom_c),
+            (mA_mkl, mB_nkl, mSFA_mkl, mSFB_nkl, mC_mnl), ab_stage_bytes)
+
+    def _workspace_rows(self, num_groups: int, num_ctas):
+        return num_groups if self.config.descriptors_up_front else num_ctas
+
+    @staticmethod
+    def _tables(ptr_table_ptr, size_table_ptr, tensormap_workspace_ptr, num_groups: int, num_rows):
+        """Pointer table [G, PtrColumn], size table [G, SizeColumn], descriptors [rows, slot, 16 x int64]."""
+        words = TENSORMAP_BYTES // 8
+        slots = len(Sm100TensorMapSlot)
+        return (
+            cute.make_tensor(ptr_table_ptr, cute.make_layout((num_groups, len(PtrColumn)), stride=(len(PtrColumn), 1))),
+            cute.make_tensor(size_table_ptr, cute.make_layout((num_groups, len(SizeColumn)),
+                                                              stride=(len(SizeColumn), 1))),
+            cute.make_tensor(tensormap_workspace_ptr, cute.make_layout((num_rows, slots, words),
+                                                                       stride=(slots * words, words, 1))),
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        ptr_table_ptr: cute.Pointer,
+        size_table_ptr: cute.Pointer,
+        tensormap_workspace_ptr: cute.Pointer,
+        num_tiles: cutlass.Int32,
+        num_ctas: cutlass.Int32,
+        num_groups: cutlass.Constexpr[int],
+    ):
+        cfg = self.config
+        ptr_table, size_table, tensormaps = self._tables(ptr_table_ptr, size_table_ptr, tensormap_workspace_ptr,
+                                                         num_groups, self._workspace_rows(num_groups, num_ctas))
+        setup = self._tma_setup()
+
+        @cute.struct
+        class SharedStorage:
+            tensormap_buffer: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Int64, self.num_tensormaps * TENSORMAP_BYTES // 8], TENSORMAP_BYTES
+            ]
+            ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_ab_stages * 2]
+            acc_mbar: cute.struct.MemRange[cutlass.Int64, self.num_acc_stages * 2]
+            tmem_holding_buf: cutlass.Int32
+            # (EPI_TILE_M, EPI_TILE_N, STAGE)
+            sC: cute.struct.Align[cute.struct.MemRange[cfg.c_dtype, cute.cosize(setup.c_smem_layout_staged.outer)],
+                                  1024]
+            # (MMA, MMA_M, MMA_K, STAGE)
+            sA: cute.struct.Align[cute.struct.MemRange[cfg.ab_dtype, cute.cosize(setup.a_smem_layout_staged.outer)],
+                                  1024]
+            # (MMA, MMA_N, MMA_K, STAGE)
+            sB: cute.struct.Align[cute.struct.MemRange[cfg.ab_dtype, cute.cosize(setup.b_smem_layout_staged.outer)],
+                                  1024]
+            # (MMA, MMA_M, MMA_K, STAGE)
+            sSFA: cute.struct.Align[cute.struct.MemRange[cfg.sf_dtype, cute.cosize(setup.sfa_smem_layout_staged)], 128]
+            # (MMA, MMA_N, MMA_K, STAGE)
+            sSFB: cute.struct.Align[cute.struct.MemRange[cfg.sf_dtype, cute.cosize(setup.sfb_smem_layout_staged)], 128]
+
+        self.shared_storage = SharedStorage
+        if cutlass.const_expr(SharedStorage.size_in_bytes() != cfg.smem_bytes):
+            raise ValueError(f"shared memory: DSL {SharedStorage.size_in_bytes()} B, config {cfg.smem_bytes} B")
+
+        # No smem argument: the DSL sizes dynamic shared memory from the kernel's allocation.
+        self.kernel(
+            setup.tiled_mma, *setup.tma_atoms, *setup.tma_tensors,
+            ptr_table, size_table, tensormaps, num_tiles,
+            setup.a_smem_layout_staged, setup.b_smem_layout_staged, setup.sfa_smem_layout_staged,
+            setup.sfb_smem_layout_staged, setup.c_smem_layout_staged, setup.epi_tile, setup.ab_stage_bytes,
+        ).launch(grid=(num_ctas, 1, 1), block=(self.threads_per_cta, 1, 1), cluster=(1, 1, 1))
+
+    # -----------------------------------------------------------------------------------------------------
+    # Device side: setup shared by all roles, then dispatch on the warp index
+    # -----------------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tma_atom_a: cute.CopyAtom,
+        tma_atom_b: cute.CopyAtom,
+        tma_atom_sfa: cute.CopyAtom,
+        tma_atom_sfb: cute.CopyAtom,
+        tma_atom_c: cute.CopyAtom,
+        mA_mkl: cute.Tensor,
+        mB_nkl: cute.Tensor,
+        mSFA_mkl: cute.Tensor,
+        mSFB_nkl: cute.Tensor,
+        mC_mnl: cute.Tensor,
+        ptr_table: cute.Tensor,
+        size_table: cute.Tensor,
+        tensormaps: cute.Tensor,
+        num_tiles: cutlass.Int32,
+        a_smem_layout_staged: cute.ComposedLayout,
+        b_smem_layout_staged: cute.ComposedLayout,
+        sfa_smem_layout_staged: cute.Layout,
+        sfb_smem_layout_staged: cute.Layout,
+        c_smem_layout_staged: cute.ComposedLayout,
+        epi_tile: cute.Tile,
+        num_tma_load_bytes: cutlass.Constexpr[int],
+    ):
+        cfg = self.config
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        cta_idx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+
+        # ---- shared memory and pipelines -----------------------------------------------------------------
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipeline = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_mbar.data_ptr(),
+            num_stages=self.num_ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            tx_count=num_tma_load_bytes,
+            defer_sync=True,
+        )
+        acc_pipeline = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_mbar.data_ptr(),
+            num_stages=self.num_acc_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_epilogue_warps),
+            defer_sync=True,
+        )
+        tmem = TmemAllocator(
+            storage.tmem_holding_buf,
+            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=Sm100BarrierId.TMEM_ALLOC,
+                                                       num_threads=32 * (self.num_epilogue_warps + 1)),
+            allocator_warp_id=int(Sm100Warp.EPILOGUE0),
+        )
+        # One CTA-wide sync makes every barrier initialisation visible before any role uses it.
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+
+        # Swizzled operand buffers on 1024 bytes, the 128-byte swizzle pattern's period.
+        # (EPI_TILE_M, EPI_TILE_N, STAGE)
+        sC = storage.sC.get_tensor(c_smem_layout_staged.outer, swizzle=c_smem_layout_staged.inner)
+        # (MMA, MMA_M, MMA_K, STAGE)
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        # (MMA, MMA_N, MMA_K, STAGE)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        # (MMA, MMA_M, MMA_K, STAGE)
+        sSFA = storage.sSFA.get_tensor(sfa_smem_layout_staged)
+        # (MMA, MMA_N, MMA_K, STAGE)
+        sSFB = storage.sSFB.get_tensor(sfb_smem_layout_staged)
+
+        # ---- TMA descriptors: workspace rows (per group or per CTA) and shared-memory staging copies -------
+        descriptors = TmaDescriptorRows(self.config.descriptors_up_front, tensormaps, cta_idx,
+                                        storage.tensormap_buffer.data_ptr())
+
+        # ---- global tiles (coordinate tensors of the placeholder shapes; the descriptors bound them) ------
+        # (bM, bK, RestM, RestK, RestL)
+        gA_mkl = cute.local_tile(mA_mkl, cute.slice_(cfg.mma_tiler_mnk, (None, 0, None)), (None, None, None))
+        # (bN, bK, RestN, RestK, RestL)
+        gB_nkl = cute.local_tile(mB_nkl, cute.slice_(cfg.mma_tiler_mnk, (0, None, None)), (None, None, None))
+        # (bM, bK, RestM, RestK, RestL)
+        gSFA_mkl = cute.local_tile(mSFA_mkl, cute.slice_(cfg.mma_tiler_mnk, (None, 0, None)), (None, None, None))
+        # (bN, bK, RestN, RestK, RestL)
+        gSFB_nkl = cute.local_tile(mSFB_nkl, cute.slice_(cfg.mma_tiler_mnk, (0, None, None)), (None, None, None))
+        # (bM, bN, RestM, RestN, RestL)
+        gC_mnl = cute.local_tile(mC_mnl, cute.slice_(cfg.mma_tiler_mnk, (None, None, 0)), (None, None, None))
+        # A one-CTA MMA has a single MMA "thread": the whole CTA.
+        thr_mma = tiled_mma.get_slice(0)
+        # (MMA, MMA_M, MMA_K, RestM, RestK, RestL)
+        tCgA = thr_mma.partition_A(gA_mkl)
+        # (MMA, MMA_N, MMA_K, RestN, RestK, RestL)
+        tCgB = thr_mma.partition_B(gB_nkl)
+        # (MMA, MMA_M, MMA_K, RestM, RestK, RestL)
+        tCgSFA = thr_mma.partition_A(gSFA_mkl)
+        # (MMA, MMA_N, MMA_K, RestN, RestK, RestL)
+        tCgSFB = thr_mma.partition_B(gSFB_nkl)
+        # (MMA, MMA_M, MMA_N, RestM, RestN, RestL)
+        tCgC = thr_mma.partition_C(gC_mnl)
+
+        # (MMA, MMA_M, MMA_K, STAGE)
+        tCrA = tiled_mma.make_fragment_A(sA)
+        # (MMA, MMA_N, MMA_K, STAGE)
+        tCrB = tiled_mma.make_fragment_B(sB)
+        # (MMA, MMA_M, MMA_N, ACC_STAGE): layout only, placed in tensor memory by each role
+        acc_shape = tiled_mma.partition_shape_C(cfg.mma_tiler_mnk[:2])
+        tCtAcc_layout = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stages)).layout
+
+        scheduler = GroupTileScheduler(size_table, self.tile_m, self.tile_n)
+        tma_atoms = (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb)
+
+        if warp_idx == Sm100Warp.TMA:
+            self._load_role(scheduler, num_tiles, cta_idx, num_ctas, ptr_table, size_table, ab_pipeline,
+                            descriptors, tma_atoms, (sA, sB, sSFA, sSFB), (tCgA, tCgB, tCgSFA, tCgSFB))
+        if warp_idx == Sm100Warp.MMA:
+            tmem.wait_for_alloc()
+            acc_tmem_ptr = tmem.retrieve_ptr(cfg.acc_dtype)
+            self._mma_role(scheduler, num_tiles, cta_idx, num_ctas, size_table, tiled_mma, ab_pipeline,
+                           acc_pipeline, acc_tmem_ptr, tCtAcc_layout, tCrA, tCrB, sSFA, sSFB,
+                           sfa_smem_layout_staged, sfb_smem_layout_staged)
+        if warp_idx < Sm100Warp.MMA:
+            tmem.allocate(cfg.tmem_alloc_cols)
+            tmem.wait_for_alloc()
+            acc_tmem_ptr = tmem.retrieve_ptr(cfg.acc_dtype)
+            self._epilogue_role(scheduler, num_tiles, cta_idx, num_ctas, warp_idx, tidx, ptr_table, size_table,
+                                acc_pipeline, acc_tmem_ptr, tCtAcc_layout, descriptors, tma_atom_c, sC, tCgC,
+                                epi_tile)
+            # Every epilogue thread has read its last accumulator (and the MMA warp has written its last:
+            # the epilogue waited for it) before the columns are given back.
+            tmem.relinquish_alloc_permit()
+            pipeline.NamedBarrier(barrier_id=Sm100BarrierId.EPILOGUE,
+                                  num_threads=32 * self.num_epilogue_warps).arrive_and_wait()
+            tmem.free(acc_tmem_ptr)
+
+    # -----------------------------------------------------------------------------------------------------
+    # Warp 5: TMA producer
+    # -----------------------------------------------------------------------------------------------------
+    @cute.jit
+    def _load_role(self, scheduler, num_tiles, cta_idx, num_ctas, ptr_table, size_table, ab_pipeline,
+                   descriptors, tma_atoms, smem_tensors, gmem_partitions):
+        cfg = self.config
+        tma_warp = int(Sm100Warp.TMA)
+        # ((atom_v, rest_v), STAGE) and ((atom_v, rest_v), RestMN, RestK, RestL) per operand; the scale
+        # tensors broadcast over the 16 k-elements of a block (stride 0), so those modes are dropped.
+        partitions = [cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 3),
+                                            cute.group_modes(tCgX, 0, 3))
+                      for atom, sX, tCgX in zip(tma_atoms, smem_tensors, gmem_partitions)]
+        tma_smem = [tXsX for tXsX, _ in partitions[:2]] + [cute.filter_zeros(tXsX) for tXsX, _ in partitions[2:]]
+        tma_gmem = [tXgX for _, tXgX in partitions[:2]] + [cute.filter_zeros(tXgX) for _, tXgX in partitions[2:]]
+        descriptors.stage_from_atoms(tma_atoms, LOAD_SLOTS, tma_warp)
+
+        producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_ab_stages)
+        group, group_first, group_tiles = scheduler.first_state()
+        last_group = cutlass.Int32(-1)
+        tile_idx = cutlass.Int32(cta_idx)
+        while tile_idx < num_tiles:
+            group, group_first, group_tiles = scheduler.find_group(tile_idx, group, group_first, group_tiles)
+            m = size_table[group, int(SizeColumn.M)]
+            n = size_table[group, int(SizeColumn.N)]
+            k = size_table[group, int(SizeColumn.K)]
+            tile_m_idx, tile_n_idx = scheduler.tile_coord(tile_idx, group_first, m)
+            group_changed = group != last_group
+            if cutlass.const_expr(not descriptors.up_front):
+                if group_changed:
+                    # NOTES: as in CUTLASS's grouped block-scaled example, loads already issued with the
+                    # old descriptor are not drained first.
+                    group_tensors = make_operand_tensors(
+                        ptr_table[group, int(PtrColumn.A)], ptr_table[group, int(PtrColumn.B)],
+                        ptr_table[group, int(PtrColumn.SFA)], ptr_table[group, int(PtrColumn.SFB)],
+                        m, n, k, cfg.ab_dtype, cfg.sf_dtype, cfg.sf_vec_size)
+                    descriptors.patch(group_tensors, tma_atoms, LOAD_SLOTS, tma_warp)
+            k_tile_cnt = (k + (self.tile_k - 1)) // self.tile_k
+            # ((atom_v, rest_v), RestK)
+            tile_gmem = (
+                tma_gmem[0][(None, tile_m_idx, None, 0)],
+                tma_gmem[1][(None, tile_n_idx, None, 0)],
+                tma_gmem[2][(None, tile_m_idx, None, 0)],
+                tma_gmem[3][(None, tile_n_idx, None, 0)],
+            )
+            producer_state.reset_count()
+            empty_ready = cutlass.Boolean(True)
+            if producer_state.count < k_tile_cnt:
+                empty_ready = ab_pipeline.producer_try_acquire(producer_state)
+            if group_changed:
+                descriptors.acquire(group, LOAD_SLOTS)
+            tma_desc_ptrs = descriptors.for_tma(group, LOAD_SLOTS)
+            for k_tile in cutlass.range(0, k_tile_cnt, 1, unroll=1):
+                ab_pipeline.producer_acquire(producer_state, empty_ready)
+                for atom, tXgX, tXsX, desc in zip(tma_atoms, tile_gmem, tma_smem, tma_desc_ptrs):
+                    cute.copy(atom, tXgX[(None, producer_state.count)], tXsX[(None, producer_state.index)],
+                              tma_bar_ptr=ab_pipeline.producer_get_barrier(producer_state), tma_desc_ptr=desc)
+                producer_state.advance()
+                empty_ready = cutlass.Boolean(True)
+                if producer_state.count < k_tile_cnt:
+                    empty_ready = ab_pipeline.producer_try_acquire(producer_state)
+            last_group = group
+            tile_idx = tile_idx + num_ctas
+        # The CTA may not retire while its loads are in flight.
+        ab_pipeline.producer_tail(producer_state)
+
+    # -----------------------------------------------------------------------------------------------------
+    # Warp 4: MMA issuer
+    # -----------------------------------------------------------------------------------------------------
+    @cute.jit
+    def _mma_role(self, scheduler, num_tiles, cta_idx, num_ctas, size_table, tiled_mma, ab_pipeline,
+                  acc_pipeline, acc_tmem_ptr, tCtAcc_layout, tCrA, tCrB, sSFA, sSFB, sfa_smem_layout_staged,
+                  sfb_smem_layout_staged):
+        cfg = self.config
+        # (MMA, MMA_M, MMA_N, ACC_STAGE)
+        tCtAcc_base = cute.make_tensor(acc_tmem_ptr, tCtAcc_layout)
+        acc_cols = tcgen05.find_tmem_tensor_col_offset(tCtAcc_base)
+        sfa_tmem_ptr = cute.recast_ptr(acc_tmem_ptr + acc_cols, dtype=cfg.sf_dtype)
+        # (MMA, MMA_M, MMA_K)
+        tCtSFA = cute.make_tensor(sfa_tmem_ptr, blockscaled_utils.make_tmem_layout_sfa(
+            tiled_mma, cfg.mma_tiler_mnk, cfg.sf_vec_size, cute.slice_(sfa_smem_layout_staged, (None, None, None, 0))))
+        sfb_tmem_ptr = cute.recast_ptr(acc_tmem_ptr + acc_cols + tcgen05.find_tmem_tensor_col_offset(tCtSFA),
+                                       dtype=cfg.sf_dtype)
+        # (MMA, MMA_N, MMA_K)
+        tCtSFB = cute.make_tensor(sfb_tmem_ptr, blockscaled_utils.make_tmem_layout_sfb(
+            tiled_mma, cfg.mma_tiler_mnk, cfg.sf_vec_size, cute.slice_(sfb_smem_layout_staged, (None, None, None, 0))))
+        # The config's column count (which sized the allocation) must be the DSL's.
+        tmem_cols = (acc_cols + tcgen05.find_tmem_tensor_col_offset(tCtSFA)
+                     + tcgen05.find_tmem_tensor_col_offset(tCtSFB))
+        if cutlass.const_expr(tmem_cols != cfg.tmem_cols_used):
+            raise ValueError(f"tensor-memory columns: DSL {tmem_cols}, config {cfg.tmem_cols_used}")
+        tiled_copy_s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self._s2t_copy_and_partition(sSFA, tCtSFA)
+        tiled_copy_s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self._s2t_copy_and_partition(sSFB, tCtSFB)
+        num_kblocks = cute.size(tCrA, mode=[2])
+
+        ab_consumer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_ab_stages)
+        acc_producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_acc_stages)
+        group, group_first, group_tiles = scheduler.first_state()
+        tile_idx = cutlass.Int32(cta_idx)
+        while tile_idx < num_tiles:
+            group, group_first, group_tiles = scheduler.find_group(tile_idx, group, group_first, group_tiles)
+            k = size_table[group, int(SizeColumn.K)]
+            k_tile_cnt = (k + (self.tile_k - 1)) // self.tile_k
+            # (MMA, MMA_M, MMA_N)
+            tCtAcc = tCtAcc_base[(None, None, None, acc_producer_state.index)]
+
+            ab_consumer_state.reset_count()
+            full_ready = cutlass.Boolean(True)
+            if ab_consumer_state.count < k_tile_cnt:
+                full_ready = ab_pipeline.consumer_try_wait(ab_consumer_state)
+            acc_pipeline.producer_acquire(acc_producer_state)
+            # The first MMA of the tile overwrites the accumulator.
+            tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+            for k_tile in range(k_tile_cnt):
+                ab_pipeline.consumer_wait(ab_consumer_state, full_ready)
+                # The MMA reads its scales from tensor memory; tcgen05 ops of one thread run in order, so
+                # the previous K step's MMAs have read the old scales before these copies land.
+                # ((ATOM_V, REST_V), Rest_Tiler, MMA_MN, MMA_K)
+                s2t_stage = (None, None, None, None, ab_consumer_state.index)
+                cute.copy(tiled_copy_s2t_sfa, tCsSFA_s2t[s2t_stage], tCtSFA_s2t)
+                cute.copy(tiled_copy_s2t_sfb, tCsSFB_s2t[s2t_stage], tCtSFB_s2t)
+                # tCtAcc += tCrA * tCtSFA * tCrB * tCtSFB, one 64-deep instruction per k-block
+                for kblock_idx in cutlass.range(num_kblocks, unroll_full=True):
+                    tiled_mma.set(tcgen05.Field.SFA, tCtSFA[(None, None, kblock_idx)].iterator)
+                    tiled_mma.set(tcgen05.Field.SFB, tCtSFB[(None, None, kblock_idx)].iterator)
+                    kblock = (None, None, kblock_idx, ab_consumer_state.index)
+                    cute.gemm(tiled_mma, tCtAcc, tCrA[kblock], tCrB[kblock], tCtAcc)
+                    tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                # Frees the stage once these MMAs have read it (tcgen05.commit to the empty barrier).
+                ab_pipeline.consumer_release(ab_consumer_state)
+                ab_consumer_state.advance()
+                full_ready = cutlass.Boolean(True)
+                if ab_consumer_state.count < k_tile_cnt:
+                    full_ready = ab_pipeline.consumer_try_wait(ab_consumer_state)
+            acc_pipeline.producer_commit(acc_producer_state)
+            acc_producer_state.advance()
+            tile_idx = tile_idx + num_ctas
+        # The epilogue has taken every accumulator before the CTA retires.
+        acc_pipeline.producer_tail(acc_producer_state)
+
+    # -----------------------------------------------------------------------------------------------------
+    # Warps 0-3: epilogue (tensor memory -> registers -> fp16 -> shared memory -> TMA store)
+    # -----------------------------------------------------------------------------------------------------
+    @cute.jit
+    def _epilogue_role(self, scheduler, num_tiles, cta_idx, num_ctas, warp_idx, tidx, ptr_table, size_table,
+                       acc_pipeline, acc_tmem_ptr, tCtAcc_layout, descriptors, tma_atom_c, sC, tCgC, epi_tile):
+        cfg = self.config
+        store_warp = int(Sm100Warp.EPILOGUE0)
+        epilogue_barrier = pipeline.NamedBarrier(barrier_id=Sm100BarrierId.EPILOGUE,
+                                                 num_threads=32 * self.num_epilogue_warps)
+        c_slot = (Sm100TensorMapSlot.C,)
+        descriptors.stage_from_atoms((tma_atom_c,), c_slot, store_warp)
+
+        # (MMA, MMA_M, MMA_N, ACC_STAGE)
+        tCtAcc_base = cute.make_tensor(acc_tmem_ptr, tCtAcc_layout)
+        copy_atom_t2r = sm100_utils.get_tmem_load_op(cfg.mma_tiler_mnk, LayoutEnum.ROW_MAJOR, cfg.c_dtype,
+                                                     cfg.acc_dtype, epi_tile, False)
+        # (EPI_TILE_M, EPI_TILE_N, EPI_M, EPI_N, ACC_STAGE)
+        tAcc_epi = cute.flat_divide(tCtAcc_base[((None, None), 0, 0, None)], epi_tile)
+        tiled_copy_t2r = tcgen05.make_tmem_copy(copy_atom_t2r, tAcc_epi[(None, None, 0, 0, 0)])
+        thr_copy_t2r = tiled_copy_t2r.get_slice(tidx)
+        # (T2R, T2R_M, T2R_N, EPI_M, EPI_N, ACC_STAGE)
+        tTR_tAcc_base = thr_copy_t2r.partition_S(tAcc_epi)
+        # (EPI_TILE_M, EPI_TILE_N, EPI_M, EPI_N, RestM, RestN, RestL)
+        gC_epi = cute.flat_divide(tCgC[((None, None), 0, 0, None, None, None)], epi_tile)
+        # (T2R, T2R_M, T2R_N, EPI_M, EPI_N, RestM, RestN, RestL)
+        tTR_gC = thr_copy_t2r.partition_D(gC_epi)
+        # (T2R, T2R_M, T2R_N)
+        tTR_rAcc = cute.make_rmem_tensor(tTR_gC[(None, None, None, 0, 0, 0, 0, 0)].shape, cfg.acc_dtype)
+        tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, cfg.c_dtype)
+        copy_atom_r2s = sm100_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, cfg.c_dtype, cfg.acc_dtype,
+                                                      tiled_copy_t2r)
+        tiled_copy_r2s = cute.make_tiled_copy_D(copy_atom_r2s, tiled_copy_t2r)
+        thr_copy_r2s = tiled_copy_r2s.get_slice(tidx)
+        # (R2S, R2S_M, R2S_N, C_STAGE)
+        tRS_sC = thr_copy_r2s.partition_D(sC)
+        # (R2S, R2S_M, R2S_N)
+        tRS_rC = tiled_copy_r2s.retile(tTR_rC)
+        # ((ATOM_V, REST_V), C_STAGE) and ((ATOM_V, REST_V), EPI_M, EPI_N, RestM, RestN, RestL)
+        bSG_sC, bSG_gC_all = cpasync.tma_partition(tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                                                   cute.group_modes(gC_epi, 0, 2))
+
+        c_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.num_c_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * self.num_epilogue_warps),
+        )
+        acc_consumer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stages)
+        group, group_first, group_tiles = scheduler.first_state()
+        last_group = cutlass.Int32(-1)
+        num_slices_stored = cutlass.Int32(0)
+        tile_idx = cutlass.Int32(cta_idx)
+        while tile_idx < num_tiles:
+            group, group_first, group_tiles = scheduler.find_group(tile_idx, group, group_first, group_tiles)
+            m = size_table[group, int(SizeColumn.M)]
+            n = size_table[group, int(SizeColumn.N)]
+            tile_m_idx, tile_n_idx = scheduler.tile_coord(tile_idx, group_first, m)
+            group_changed = group != last_group
+            if cutlass.const_expr(not descriptors.up_front):
+                if group_changed:
+                    # Waits (inside) until this warp's earlier stores have read shared memory, then patches.
+                    c_tensor = make_output_tensor(ptr_table[group, int(PtrColumn.C)], m, n, cfg.c_dtype)
+                    descriptors.patch((c_tensor,), (tma_atom_c,), c_slot, store_warp)
+            # ((ATOM_V, REST_V), EPI)
+            bSG_gC = cute.group_modes(bSG_gC_all[(None, None, None, tile_m_idx, tile_n_idx, 0)], 1, 3)
+            # (T2R, T2R_M, T2R_N, EPI)
+            tTR_tAcc = cute.group_modes(tTR_tAcc_base[(None, None, None, None, None, acc_consumer_state.index)],
+                                        3, 5)
+            acc_pipeline.consumer_wait(acc_consumer_state)
+            if group_changed:
+                if warp_idx == store_warp:
+                    descriptors.acquire(group, c_slot)
+            c_desc_ptr = descriptors.for_tma(group, c_slot)[0]
+
+            num_slices = cute.size(tTR_tAcc.shape, mode=[3])
+            for slice_idx in cutlass.range(num_slices):
+                cute.copy(tiled_copy_t2r, tTR_tAcc[(None, None, None, slice_idx)], tTR_rAcc)
+                tRS_rC.store(tiled_copy_r2s.retile(tTR_rAcc).load().to(cfg.c_dtype))
+                c_buffer = (num_slices_stored + slice_idx) % self.num_c_stages
+                cute.copy(tiled_copy_r2s, tRS_rC, tRS_sC[(None, None, None, c_buffer)])
+                # The slice is in shared memory and visible to the TMA unit before warp 0 stores it.
+                fence_smem_for_async_proxy()
+                epilogue_barrier.arrive_and_wait()
+                if warp_idx == store_warp:
+                    cute.copy(tma_atom_c, bSG_sC[(None, c_buffer)], bSG_gC[(None, slice_idx)], tma_desc_ptr=c_desc_ptr)
+                    c_pipeline.producer_commit()
+                    # The next slice buffer has been read out by its earlier store.
+                    c_pipeline.producer_acquire()
+                epilogue_barrier.arrive_and_wait()
+            num_slices_stored = num_slices_stored + num_slices
+            # All of this accumulator is in registers or shared memory: the MMA warp may refill it.
+            with cute.arch.elect_one():
+                acc_pipeline.consumer_release(acc_consumer_state)
+            acc_consumer_state.advance()
+            last_group = group
+            tile_idx = tile_idx + num_ctas
+        # Stores complete before the CTA retires.
+        c_pipeline.producer_tail()
+
+    # -----------------------------------------------------------------------------------------------------
+    # Partition helpers
+    # -----------------------------------------------------------------------------------------------------
+    def _s2t_copy_and_partition(self, sSF, tCtSF):
+        """tcgen05.cp of one scale tensor from shared to tensor memory, and its source/destination views."""
+        copy_atom_s2t = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), self.config.sf_dtype)
+        # (MMA, MMA_MN, MMA_K, STAGE)
+        tCsSF_compact = cute.filter_zeros(sSF)
+        # (MMA, MMA_MN, MMA_K)
+        tCtSF_compact = cute.filter_zeros(tCtSF)
+        tiled_copy_s2t = tcgen05.make_s2t_copy(copy_atom_s2t, tCtSF_compact)
+        thr_copy_s2t = tiled_copy_s2t.get_slice(0)
+        # ((ATOM_V, REST_V), Rest_Tiler, MMA_MN, MMA_K, STAGE)
+        tCsSF_s2t = tcgen05.get_s2t_smem_desc_tensor(tiled_copy_s2t, thr_copy_s2t.partition_S(tCsSF_compact))
+        # ((ATOM_V, REST_V), Rest_Tiler, MMA_MN, MMA_K)
+        tCtSF_s2t = thr_copy_s2t.partition_D(tCtSF_compact)
+        return tiled_copy_s2t, tCsSF_s2t, tCtSF_s2t
+
+
+class Sm100GroupTensormapKernel:
+    """Writes every group's five TMA descriptors for `Sm100PersistentGroupedGemmKernel` (descriptors_up_front).
+
+    Grid (G, 1, 1), one warp per CTA: CTA g copies the GEMM's host-made descriptors (the same atoms, built
+    by the same `_tma_setup`) into shared memory, patches in group g's addresses and sizes and releases
+    them to workspace row g. Launched once per input set, on a launch-metadata cache miss, ahead of the
+    first GEMM on that workspace (same queue, so the GEMM starts after it completes).
+    """
+
+    def __init__(self, gemm: "Sm100PersistentGroupedGemmKernel"):
+        self.gemm = gemm
+
+    @cute.jit
+    def __call__(
+        self,
+        ptr_table_ptr: cute.Pointer,
+        size_table_ptr: cute.Pointer,
+        tensormap_workspace_ptr: cute.Pointer,
+        num_groups: cutlass.Constexpr[int],
+    ):
+        ptr_table, size_table, tensormaps = self.gemm._tables(ptr_table_ptr, size_table_ptr,
+                                                              tensormap_workspace_ptr, num_groups, num_groups)
+        setup = self.gemm._tma_setup()
+        self.kernel(*setup.tma_atoms, ptr_table, size_table, tensormaps).launch(
+            grid=(num_groups, 1, 1), block=(32, 1, 1), cluster=(1, 1, 1))
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        tma_atom_b: cute.CopyAtom,
+        tma_atom_sfa: cute.CopyAtom,
+        tma_atom_sfb: cute.CopyAtom,
+        tma_atom_c: cute.CopyAtom,
+        ptr_table: cute.Tensor,
+        size_table: cute.Tensor,
+        tensormaps: cute.Tensor,
+    ):
+        cfg = self.gemm.config
+        group, _, _ = cute.arch.block_idx()
+
+        @cute.struct
+        class SharedStorage:
+            tensormap_buffer: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Int64, len(Sm100TensorMapSlot) * TENSORMAP_BYTES // 8], TENSORMAP_BYTES
+            ]
+
+        storage = SmemAllocator().allocate(SharedStorage)
+        # Staging as a per-CTA row does, but released to row `group` (`patch` writes the CTA's row).
+        rows = TmaDescriptorRows(False, tensormaps, group, storage.tensormap_buffer.data_ptr())
+        atoms = (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, tma_atom_c)
+        slots = tuple(Sm100TensorMapSlot)
+        rows.stage_from_atoms(atoms, slots, 0)
+        m = size_table[group, int(SizeColumn.M)]
+        n = size_table[group, int(SizeColumn.N)]
+        k = size_table[group, int(SizeColumn.K)]
+        tensors = (
+            *make_operand_tensors(ptr_table[group, int(PtrColumn.A)], ptr_table[group, int(PtrColumn.B)],
+                                  ptr_table[group, int(PtrColumn.SFA)], ptr_table[group, int(PtrColumn.SFB)],
+                                  m, n, k, cfg.ab_dtype, cfg.sf_dtype, cfg.sf_vec_size),
+            make_output_tensor(ptr_table[group, int(PtrColumn.C)], m, n, cfg.c_dtype),
+        )
+        rows.patch(tensors, atoms, slots, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Compile cache
 # ---------------------------------------------------------------------------------------------------------
-def compile_key(num_groups: int, arch: str, config: Sm100GemmConfig = SM100_CONFIG) -> tuple:
+def compile_key(num_groups: int, arch: str, config=None, part: str = "gemm") -> tuple:
     """The key of a compiled kernel: everything baked into it.
 
-    The group count is static (the group search is unrolled over it); the target arch and the DSL version
-    decide the code; the config holds tile shape, stages, dtypes, threads. Problem sizes and pointers are
-    not in it: the kernel reads them from device tables at run time.
+    The group count is static (the size and pointer tables' layouts); the target arch and the DSL version
+    decide the code; the config (its class names the kernel) holds tile shape, stages, dtypes and the
+    descriptor scheme; `part` is "gemm" or, for descriptors_up_front, "tensormaps" (the preparation
+    kernel). Problem sizes, pointers, tile count and grid size are not in it: the kernels read them at run
+    time. `config` defaults to the one of KERNEL_VARIANT.
     """
-    return ("nvfp4_grouped_gemm", arch, DSL_VERSION, config, int(num_groups))
+    if config is None:
+        config = variant_config(KERNEL_VARIANT)
+    return ("nvfp4_grouped_gemm", part, arch, DSL_VERSION, config, int(num_groups))
 
 
 _compiled_kernels: dict = {}
 
 
 def _compile(key: tuple) -> Callable:
-    _, arch, _, config, num_groups = key
+    _, part, arch, _, config, num_groups = key
     if not arch.startswith("sm_10"):
         raise UnsupportedDeviceError(f"no kernel for {arch}: only sm_100 (Blackwell) is implemented; "
                                      "the Hopper (sm_90) path is not implemented yet")
-    kernel = Sm100BlockScaledGroupedGemmKernel(config)
-    # Placeholder addresses: only the pointer types (dtype, alignment) and the group count are baked in.
-    return cute.compile(
-        kernel,
+    # Placeholder addresses and counts: only the pointer types (dtype, alignment) and G are baked in.
+    tables = (
         gmem_ptr(cutlass.Int64, 0, METADATA_ALIGN_BYTES),
         gmem_ptr(cutlass.Int32, 0, METADATA_ALIGN_BYTES),
         gmem_ptr(cutlass.Int64, 0, TENSORMAP_BYTES),
-        cutlass.Int32(1),
-        num_groups,
     )
+    if isinstance(config, Sm100PersistentConfig):
+        kernel = Sm100PersistentGroupedGemmKernel(config)
+        if part == "tensormaps":
+            return cute.compile(Sm100GroupTensormapKernel(kernel), *tables, num_groups)
+        return cute.compile(kernel, *tables, cutlass.Int32(1), cutlass.Int32(1), num_groups)
+    kernel = Sm100BlockScaledGroupedGemmKernel(config)
+    return cute.compile(kernel, *tables, cutlass.Int32(1), num_groups)
 
 
 def compiled_kernel(key: tuple) -> Callable:
@@ -763,6 +1782,11 @@ def _device_capability(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.lru_cache(maxsize=None)
+def _device_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _check_device(device: torch.device) -> None:
     major, minor = _device_capability(device.index)
     if major != 10:
@@ -771,22 +1795,36 @@ def _check_device(device: torch.device) -> None:
             "kernel needs Blackwell (10.x, sm_100a). The Hopper (sm_90) path is not implemented yet.")
 
 
-def compile_for(num_groups: int, arch: Optional[str] = None) -> Callable:
-    """Build the kernel for `num_groups` groups, without launching it, through custom_kernel's cache.
+def kernel_parts(config) -> tuple:
+    """The compiled kernels a variant launches: the GEMM, and the descriptor preparation where it has one."""
+    if isinstance(config, Sm100PersistentConfig) and config.descriptors_up_front:
+        return ("gemm", "tensormaps")
+    return ("gemm",)
+
+
+def compile_for(num_groups: int, arch: Optional[str] = None, variant: Optional[str] = None) -> Callable:
+    """Build the kernels for `num_groups` groups, without launching them, through custom_kernel's cache.
 
     The DSL builds for CUTE_DSL_ARCH when it is set (no GPU needed), else for the current GPU; `arch`, when
-    given, must name that same target. Only the sm_100 family has a kernel: another target raises
-    UnsupportedDeviceError. Returns the compiled kernel.
+    given, must name that same target. `variant` defaults to KERNEL_VARIANT. Only the sm_100 family has a
+    kernel: another target raises UnsupportedDeviceError. Returns the compiled GEMM kernel. The variant's
+    other kernel (the descriptor preparation of "persistent") is built too, after the GEMM; its cubin's
+    name sorts before the GEMM's.
 
     Without a CUDA driver, DSL 4.3.x writes the cubin (when asked to keep it) and then raises
     cutlass.base_dsl.common.DSLRuntimeError, whose message begins "ICE" and names the cause
     "CudaDriverDependencyError: CUDA Driver Dependency Error", while loading it; DSL 4.8.x loads lazily and
-    returns.
+    returns. So on 4.3.x without a driver only the GEMM is built (the preparation kernel builds on its own
+    in a fresh process: `compiled_kernel(compile_key(G, arch, config, "tensormaps"))`).
     """
     target = _target_arch(None)
     if arch is not None and arch != target:
         raise ValueError(f"compile_for(arch={arch!r}), but the DSL builds for {target!r} (CUTE_DSL_ARCH or the GPU)")
-    return compiled_kernel(compile_key(num_groups, target))
+    if variant is not None and variant not in VARIANT_CONFIGS:
+        raise ValueError(f"unknown kernel variant {variant!r}; choose one of {KERNEL_VARIANTS}")
+    config = variant_config(variant or KERNEL_VARIANT)
+    parts = kernel_parts(config)
+    return [compiled_kernel(compile_key(num_groups, target, config, part)) for part in parts][0]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -815,10 +1853,10 @@ def _group_spec(size: tuple) -> tuple:
         return "L must be 1", None
     if m < 1:
         return "M must be at least 1", None
-    if n < 1 or n % SM100_CONFIG.tile_mn[1]:
+    if n < 1 or n % N_MULTIPLE:
         # NOTES: partial N tiles would take the masked path that partial M tiles take, but no task shape
         # has one and no B200 has run it here: rejected rather than trusted unverified.
-        return f"N must be a positive multiple of {SM100_CONFIG.tile_mn[1]} (the tile width)", None
+        return f"N must be a positive multiple of {N_MULTIPLE} (the tile width)", None
     if k < K_MULTIPLE or k % K_MULTIPLE:
         return f"K must be a positive multiple of {K_MULTIPLE}", None
     if max(m * k, n * k, m * n) >= 2**31:
@@ -918,37 +1956,139 @@ def can_implement(data) -> tuple:
 # ---------------------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------------------
-def _build_sm100_launch_metadata(data, device: torch.device, config: Sm100GemmConfig) -> LaunchMetadata:
+def _build_launch_metadata(data, device: torch.device, variant: str) -> LaunchMetadata:
+    config = variant_config(variant)
     ptr_table, size_table = pack_group_metadata(data, device)
     num_tiles = num_output_tiles(data[3], config.tile_mn)
-    workspace = aligned_device_buffer(Sm100BlockScaledGroupedGemmKernel.tensormap_workspace_bytes(num_tiles),
-                                      TENSORMAP_BYTES, device)
-    launch_args = (
-        gmem_ptr(cutlass.Int64, ptr_table.data_ptr(), METADATA_ALIGN_BYTES),
-        gmem_ptr(cutlass.Int32, size_table.data_ptr(), METADATA_ALIGN_BYTES),
-        gmem_ptr(cutlass.Int64, workspace.data_ptr(), TENSORMAP_BYTES),
-        num_tiles,
-    )
-    return LaunchMetadata(ptr_table, size_table, workspace, num_tiles, launch_args)
+    tables = (gmem_ptr(cutlass.Int64, ptr_table.data_ptr(), METADATA_ALIGN_BYTES),
+              gmem_ptr(cutlass.Int32, size_table.data_ptr(), METADATA_ALIGN_BYTES))
+    if isinstance(config, Sm100PersistentConfig):
+        num_ctas = min(num_tiles, _device_sm_count(device.index))
+        workspace_bytes = Sm100PersistentGroupedGemmKernel.tensormap_workspace_bytes(config, len(data[3]), num_ctas)
+        counts = (cutlass.Int32(num_tiles), cutlass.Int32(num_ctas))
+    else:
+        num_ctas = num_tiles
+        workspace_bytes = Sm100BlockScaledGroupedGemmKernel.tensormap_workspace_bytes(num_tiles)
+        counts = (cutlass.Int32(num_tiles),)
+    workspace = aligned_device_buffer(workspace_bytes, TENSORMAP_BYTES, device)
+    tables = (*tables, gmem_ptr(cutlass.Int64, workspace.data_ptr(), TENSORMAP_BYTES))
+    return LaunchMetadata(ptr_table, size_table, workspace, num_tiles, num_ctas, (*tables, *counts), tables)
 
 
-def launch_metadata(data, device: torch.device, config: Sm100GemmConfig = SM100_CONFIG) -> LaunchMetadata:
-    return cached_launch_metadata(launch_metadata_key(data, config.tile_mn),
-                                  lambda: _build_sm100_launch_metadata(data, device, config))
+def launch_metadata(data, device: torch.device, variant: Optional[str] = None) -> LaunchMetadata:
+    """The variant's launch metadata for these pointers and sizes, built (and its descriptors prepared,
+    where the variant prepares them up front) on a cache miss."""
+    variant = variant or KERNEL_VARIANT
+    config = variant_config(variant)
+
+    def build():
+        metadata = _build_launch_metadata(data, device, variant)
+        if "tensormaps" in kernel_parts(config):
+            # Queued ahead of every GEMM that will use this workspace; it completes before they start.
+            prepare = compiled_kernel(compile_key(len(data[3]), _target_arch(device), config, "tensormaps"))
+            prepare(*metadata.table_args)
+        return metadata
+
+    key = (variant, launch_metadata_key(data, config.tile_mn))
+    return cached_launch_metadata(key, build)
+
+
+def make_launcher(kernel: Callable, args: tuple) -> Callable[[], object]:
+    """The cheapest launch this DSL offers for fixed arguments, as a no-argument callable.
+
+    `kernel(*args)` converts every argument to its C form on every call (a Python loop over the
+    signature, several µs). Both 4.3 and 4.8 split that call into `generate_execution_args` and
+    `run_compiled_program`: the conversion is done once here and each launch only packs and sends.
+    The converted values stay valid while `args` lives (pointer arguments hand out the address of their
+    own storage, integers a ctypes object that the list holds), so the closure keeps `args` too.
+    A DSL without that split gets the documented call.
+    """
+    try:
+        exe_args, adapted_args = kernel.generate_execution_args(*args)
+        run = kernel.run_compiled_program
+    except AttributeError:
+        return functools.partial(kernel, *args)
+    exe_args = tuple(exe_args)
+
+    def launch():
+        # 4.3 appends to the list it is given, so each launch gets its own.
+        return run(list(exe_args))
+
+    launch.keep_alive = (args, adapted_args)
+    return launch
+
+
+@dataclasses.dataclass(frozen=True)
+class _PreparedCall:
+    """Everything a repeated call on the same input objects needs: the launch, nothing else.
+
+    It holds the input's lists and their items (per-group tuples), so none of those objects can be freed
+    and its id reused while the entry lives; an entry is used only when the call's lists and every item
+    are these very objects (`_prepared_call`).
+    """
+
+    lists: tuple  # (abc_tensors, sfasfb_reordered_tensors, problem_sizes) of the call
+    items: tuple  # their items when the entry was made
+    launch: Callable[[], object]  # make_launcher(compiled kernel, metadata.launch_args)
+    metadata: LaunchMetadata
+    outputs: tuple  # the C tensors; a new list of them is returned each call
+
+
+# The benchmark times 15 input sets per shape; 16 entries hold them and drop the untimed check copies.
+PREPARED_CALL_CACHE_SIZE = 16
+_prepared_calls: dict = {}
+
+
+def _prepared_call(data) -> Optional[_PreparedCall]:
+    """The prepared call for exactly these input objects, or None (then the full path runs).
+
+    NOTES: identity of the lists and of each item (C-level `map(is_)`, no Python loop over groups) is what
+    is checked. A tensor object whose storage is swapped in place (`.data =`, `set_`) after a first call
+    is not detected; the task's harness never does that, and a new tensor always misses.
+    """
+    entry = _prepared_calls.get((KERNEL_VARIANT, id(data)))
+    if entry is None or type(data) is not tuple or len(data) != 4:
+        return None
+    abc, sfr, sizes = entry.lists
+    abc_items, sfr_items, size_items = entry.items
+    if (data[0] is abc and data[2] is sfr and data[3] is sizes
+            and len(abc) == len(abc_items) and len(sfr) == len(sfr_items) and len(sizes) == len(size_items)
+            and all(map(is_, abc, abc_items)) and all(map(is_, sfr, sfr_items)) and all(map(is_, sizes, size_items))):
+        return entry
+    return None
+
+
+def _prepare_call(data) -> _PreparedCall:
+    """The full path: constraint check, device check, compile (cached), launch metadata (cached)."""
+    ok, reason = can_implement(data)
+    if not ok:
+        raise ValueError(reason)
+    abc, _, sfr, sizes = data
+    device = abc[0][0].device
+    _check_device(device)
+    variant = KERNEL_VARIANT
+    kernel = compiled_kernel(compile_key(len(sizes), _target_arch(device), variant_config(variant), "gemm"))
+    metadata = launch_metadata(data, device, variant)
+    entry = _PreparedCall(lists=(abc, sfr, sizes), items=(tuple(abc), tuple(sfr), tuple(sizes)),
+                          launch=make_launcher(kernel, metadata.launch_args), metadata=metadata,
+                          outputs=tuple(c for _, _, c in abc))
+    # Only immutable items make identity a proof of equal contents.
+    if type(data) is tuple and all(type(x) is tuple for part in entry.items for x in part):
+        if len(_prepared_calls) >= PREPARED_CALL_CACHE_SIZE:
+            del _prepared_calls[next(iter(_prepared_calls))]
+        _prepared_calls[(variant, id(data))] = entry
+    return entry
 
 
 def custom_kernel(data: input_t) -> output_t:
     """GPU MODE entry point: writes every group's C = (A * SFA) @ (B * SFB)^T and returns the list of C.
 
     Raises ValueError(reason) when `can_implement` rejects the input, UnsupportedDeviceError on a GPU that
-    is not Blackwell; both before anything is compiled or launched.
+    is not Blackwell; both before anything is compiled or launched. A repeated call on the same input
+    objects skips straight to the launch (`_prepared_call`).
     """
-    ok, reason = can_implement(data)
-    if not ok:
-        raise ValueError(reason)
-    abc_tensors, _, _, problem_sizes = data
-    device = abc_tensors[0][0].device
-    _check_device(device)
-    kernel = compiled_kernel(compile_key(len(problem_sizes), _target_arch(device)))
-    kernel(*launch_metadata(data, device).launch_args)
-    return [c for _, _, c in abc_tensors]
+    entry = _prepared_call(data)
+    if entry is None:
+        entry = _prepare_call(data)
+    entry.launch()
+    return list(entry.outputs)
