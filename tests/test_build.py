@@ -17,7 +17,7 @@ pytestmark = [
 
 
 def _compile(tmp_path, arch, extra=()):
-    out = tmp_path / f"{arch}.json"
+    out = tmp_path / f"{arch}{'_'.join(extra)}.json"
     proc = subprocess.run([sys.executable, str(ROOT / "eval.py"), "compile", "--arch", arch,
                            str(ROOT / "task.yml"), "--json", str(out), *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=3600)
@@ -38,6 +38,20 @@ def test_sm100a_builds_for_every_task_group_count(tmp_path):
         assert sass["UTCOMMA"] > 0 and sass["UTMALDG"] > 0, row  # tcgen05 MMA and TMA loads are there
         assert sass["LDL"] == 0 and sass["STL"] == 0, row  # no local-memory spills
         assert row["resources"]["REG"] > 0
+
+
+@pytest.mark.parametrize("variant", ["tile128", "tile256"])
+def test_sm90a_builds_for_every_task_group_count(tmp_path, variant):
+    proc, report = _compile(tmp_path, "sm_90a", ("--variant", variant))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for row in report:
+        assert row["ok"], row
+        sass = row["sass"]
+        # wgmma, TMA loads of the fp4 bytes, TMA store of C
+        assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["UTMASTG"] > 0, row
+        assert sass["UTCOMMA"] == 0, row  # no Blackwell instruction leaked in
+        if variant == "tile128":
+            assert sass["LDL"] == 0 and sass["STL"] == 0, row
 
 
 def test_compile_reports_a_bad_case_file(tmp_path):
