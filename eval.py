@@ -577,7 +577,7 @@ def watch_launches():
 try:
     import submission
     watch_launches()
-    info = submission.compile_for(int(sys.argv[2]), sys.argv[3])
+    info = submission.compile_for(int(sys.argv[2]), sys.argv[3], *sys.argv[4:])
     result["info"] = info if isinstance(info, dict) else {}
 except BaseException as err:
     chain, e = [], err
@@ -611,13 +611,15 @@ def parse_resource_usage(text: str) -> dict[str, int]:
     return usage
 
 
-def build_one(num_groups: int, arch: str, cuobjdump: str) -> dict:
-    """Builds the submission for `num_groups` groups in a subprocess and reads its cubin."""
+def build_one(num_groups: int, arch: str, cuobjdump: str, variant: Optional[str] = None) -> dict:
+    """Builds the submission for `num_groups` groups (its default kernel for `arch`, or the named variant)
+    in a subprocess and reads its cubin."""
     with tempfile.TemporaryDirectory(prefix="nvfp4-build-") as dump:
         env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_DUMP_DIR=dump, CUTE_DSL_KEEP_CUBIN="1",
                    CUTE_DSL_KEEP_PTX="1", CUTE_DSL_KEEP="cubin,ptx", CUTE_DSL_DISABLE_FILE_CACHING="1",
                    PYTHONWARNINGS="ignore")
-        proc = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, str(HERE), str(num_groups), arch],
+        proc = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, str(HERE), str(num_groups), arch,
+                               *([variant] if variant else [])],
                               env=env, capture_output=True, text=True, timeout=1800)
         line = [x for x in proc.stdout.splitlines() if x.startswith("BUILD_RESULT ")]
         if not line:
@@ -650,6 +652,8 @@ def compile_main(argv: list[str]) -> int:
     parser.add_argument("--groups", type=int, nargs="*", default=[],
                         help="extra group counts to build besides those of the cases")
     parser.add_argument("--json", metavar="PATH", help="also write the results, per case, as JSON")
+    parser.add_argument("--variant", help="a kernel variant of the submission (its KERNEL_VARIANTS) instead of "
+                                          "the default for the arch")
     args = parser.parse_args(argv)
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
@@ -668,8 +672,8 @@ def compile_main(argv: list[str]) -> int:
     labels += [(f"g={g} (extra)", g) for g in args.groups]
     builds: dict[int, dict] = {}
     for g in sorted({g for _, g in labels}):
-        progress(f"building {args.arch} for {g} groups...")
-        builds[g] = build_one(g, args.arch, cuobjdump)
+        progress(f"building {args.arch}{' ' + args.variant if args.variant else ''} for {g} groups...")
+        builds[g] = build_one(g, args.arch, cuobjdump, args.variant)
     print("smem[B] is static + dynamic shared memory per CTA ('?' where the DSL does not report it at build time)")
     print(f"{'case':<80} {'status':<6} {'regs':>4} {'smem[B]':>11} {'s':>5}  " + " ".join(f"{op:>7}" for op in SASS_OPS))
     failed = False
@@ -684,7 +688,7 @@ def compile_main(argv: list[str]) -> int:
               + " ".join(f"{sass.get(op, '?'):>7}" for op in SASS_OPS))
         if not result["ok"]:
             print(f"    {result['error']}")
-        report.append(dict(result, case=label, groups=g, arch=args.arch))
+        report.append(dict(result, case=label, groups=g, arch=args.arch, variant=args.variant))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     return 1 if failed else 0

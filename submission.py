@@ -8,7 +8,9 @@ What it computes, for every group g of G:
 
 with A_g [m, k] and B_g [n, k] in e2m1 (fp4, two per byte, K contiguous), one e4m3 scale per 16
 consecutive k-elements, fp32 accumulation and fp16 output written into the caller's C_g.
-The kernel reads the scales in the blocked tcgen05 layout (the `sfasfb_reordered_tensors`).
+Both arches read the scales in the blocked tcgen05 layout (the `sfasfb_reordered_tensors`): the task's
+generator keeps the plain scales on the CPU, and one 128-row x 256-k tile's blocked scales are 2 KB of
+contiguous bytes (padding rows exist, so no load runs out of bounds).
 
 Constraints (stated once, in `can_implement`): L == 1; any M >= 1; N a multiple of 128; K a multiple of
 256; the task generator's dense layouts; every tensor the kernel reads on one CUDA device, 16-byte aligned.
@@ -27,8 +29,17 @@ How it runs on Blackwell (sm_100a): three variants (`KERNEL_VARIANT`, `set_varia
   128x128 tile, warp 0 loads and multiplies with one stage, SIMT epilogue. The last fallback.
 docs/B200_DESIGN.md has the design, per-benchmark predictions and what no B200 has checked yet.
 
-Hopper (sm_90) has no fp4 tensor cores; its kernel is not in this file yet and will share the host path
-below (constraint check, metadata tables, caches, scheduler).
+Nothing above has run on a B200 (none was available to this project): it is checked by building for sm_100a
+and reading the SASS.
+
+How it runs on Hopper (sm_90a, `Sm90BlockScaledGroupedGemmKernel`, checked on an H200): no fp4 tensor cores,
+so both operands are dequantized exactly to fp16 in the kernel (every e2m1 x e4m3 product is exact in fp16)
+and multiplied by fp16 wgmma with fp32 accumulation. One persistent launch walks the same
+`GroupTileScheduler`; a producer warp TMA-loads the packed fp4 bytes and bulk-copies the blocked scales, a
+transform warpgroup dequantizes A into shared memory, two consumer warpgroups dequantize B in registers as
+the wgmma A operand and store C^T tiles by TMA. The tile (128x128 or 128x256) is chosen per problem
+(`choose_sm90_config`). Both arches share the host path: constraint check, pointer/size tables, launch
+metadata cache, compile cache, the prepared-call fast path. docs/HOPPER_NOTES.md has the design and log.
 
 How to use it:
     custom_kernel(data)      GPU MODE entry point; data = (abc, sfasfb, sfasfb_reordered, problem_sizes)
@@ -60,7 +71,12 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_utils
-from cutlass.cute.nvgpu import cpasync, tcgen05
+import cutlass.utils.hopper_helpers as sm90_utils
+import cutlass._mlir.dialects.cute as _cute_ir
+import cutlass._mlir.dialects.cute_nvgpu as _cute_nvgpu_ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cute.nvgpu import cpasync, tcgen05, warpgroup
 from cutlass.cute.runtime import make_ptr
 
 from task import input_t, output_t
@@ -78,6 +94,7 @@ except ImportError:  # 4.3
     from cutlass.utils import LayoutEnum, TensorMapManager, TensorMapUpdateMode
 
 DSL_VERSION = importlib.metadata.version("nvidia-cutlass-dsl")
+_OperandMajorMode = getattr(cute.nvgpu, "OperandMajorMode", None) or warpgroup.OperandMajorMode  # 4.8 / 4.3
 
 
 def fence_smem_for_async_proxy():
@@ -297,6 +314,48 @@ def set_variant(name: str) -> None:
     KERNEL_VARIANT = name
 
 
+@dataclasses.dataclass(frozen=True)
+class Sm90GemmConfig:
+    """Compile-time configuration of `Sm90BlockScaledGroupedGemmKernel` (everything baked in but G).
+
+    blocks_per_wg: 64-row blocks of B per consumer warpgroup. 1 -> tile 128 (M) x 128 (N); 2 -> 128 x 256,
+    where each fp16 A buffer feeds twice the MMA work (a 128 x 256 tile takes about 1.47x the time of a
+    128 x 128 one on the H200) but there are half as many tiles to spread over the SMs.
+    num_stages: depth of the fp4 + scale ring (0: the most that fits, 4 for 128 x 128, 3 for 128 x 256).
+    """
+
+    blocks_per_wg: int = 1
+    num_stages: int = 0
+
+    def __post_init__(self):
+        if self.blocks_per_wg not in (1, 2):
+            raise ValueError(f"Sm90GemmConfig.blocks_per_wg={self.blocks_per_wg}: only 1 or 2 is supported")
+
+    @property
+    def tile_mn(self) -> tuple:
+        return (128, 128 * self.blocks_per_wg)
+
+
+# Hopper's kernels by name. custom_kernel picks one per problem (choose_sm90_config); compile_for and the
+# tests can name one.
+SM90_VARIANT_CONFIGS = {
+    "sm90_tile128": Sm90GemmConfig(blocks_per_wg=1),
+    "sm90_tile256": Sm90GemmConfig(blocks_per_wg=2),
+}
+# Measured time of one 128 x 256 Hopper tile over one 128 x 128 tile (H200, docs/HOPPER_NOTES.md, v3).
+SM90_TILE256_COST = 1.47
+
+
+def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
+    """Larger tiles convert less per MMA but fill the SMs worse: the fewer estimated tile rounds wins."""
+    small, large = SM90_VARIANT_CONFIGS["sm90_tile128"], SM90_VARIANT_CONFIGS["sm90_tile256"]
+    if any(n % large.tile_mn[1] for _, n, _, _ in problem_sizes):
+        return small
+    rounds_small = ceil_div(num_output_tiles(problem_sizes, small.tile_mn), num_sms)
+    rounds_large = ceil_div(num_output_tiles(problem_sizes, large.tile_mn), num_sms)
+    return large if rounds_large * SM90_TILE256_COST < rounds_small else small
+
+
 def variant_config(variant: str):
     return VARIANT_CONFIGS[variant]
 
@@ -325,7 +384,7 @@ TORCH_C_DTYPE = torch.float16
 
 
 class UnsupportedDeviceError(RuntimeError):
-    """The GPU has no kernel here (only Blackwell, compute capability 10.x, is implemented)."""
+    """The GPU has no kernel here (kernels exist for B200, compute capability 10.0, and Hopper, 9.0)."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1716,6 +1775,600 @@ class Sm100GroupTensormapKernel:
         rows.patch(tensors, atoms, slots, 0)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Hopper device helpers: inline PTX (explicit so the same code builds on DSL 4.3.5 and 4.8.1)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _asm(res_type, args, ptx, constraints, side_effects, loc, ip):
+    return llvm.inline_asm(res_type, args, ptx, constraints, has_side_effects=side_effects,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+def _i32(x, loc, ip):
+    return cutlass.Int32(x).ir_value(loc=loc, ip=ip)
+
+
+def _u32(x, loc, ip):
+    return cutlass.Uint32(x).ir_value(loc=loc, ip=ip)
+
+
+def _i64(x, loc, ip):
+    return cutlass.Int64(x).ir_value(loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mbar_init(addr, count: int, *, loc=None, ip=None):
+    _asm(None, [_i32(addr, loc, ip)], f"mbarrier.init.shared::cta.b64 [$0], {count};", "r,~{memory}",
+         True, loc, ip)
+
+
+@dsl_user_op
+def fence_mbar_init(*, loc=None, ip=None):
+    _asm(None, [], "fence.mbarrier_init.release.cluster;", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def mbar_arrive(addr, *, loc=None, ip=None):
+    _asm(None, [_i32(addr, loc, ip)], "mbarrier.arrive.shared::cta.b64 _, [$0];", "r,~{memory}",
+         True, loc, ip)
+
+
+@dsl_user_op
+def mbar_arrive_if(addr, pred, *, loc=None, ip=None):
+    """Arrive where pred != 0, without a branch (keeps the wgmma pipeline free of control flow)."""
+    _asm(None, [_i32(addr, loc, ip), _i32(pred, loc, ip)],
+         "{\n.reg .pred p;\nsetp.ne.b32 p, $1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [$0];\n}",
+         "r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def mbar_arrive_expect_tx(addr, tx_bytes: int, pred, *, loc=None, ip=None):
+    _asm(None, [_i32(addr, loc, ip), _i32(pred, loc, ip)],
+         "{\n.reg .pred p;\nsetp.ne.b32 p, $1, 0;\n"
+         f"@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {tx_bytes};\n}}",
+         "r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def mbar_wait(addr, parity, *, loc=None, ip=None):
+    _asm(None, [_i32(addr, loc, ip), _i32(parity, loc, ip)],
+         "{\n.reg .pred p;\nLAB_WAIT:\n"
+         "mbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1;\n"
+         "@p bra DONE;\nbra LAB_WAIT;\nDONE:\n}",
+         "r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def tma_load_2d(smem_dst, desc_addr, c0, c1, mbar, pred, *, loc=None, ip=None):
+    """One TMA tile load (box from the descriptor) completing on `mbar`; issued where pred != 0."""
+    _asm(None, [_i32(smem_dst, loc, ip), _i64(desc_addr, loc, ip), _i32(c0, loc, ip), _i32(c1, loc, ip),
+                _i32(mbar, loc, ip), _i32(pred, loc, ip)],
+         "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
+         "@p cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+         " [$0], [$1, {$2, $3}], [$4];\n}",
+         "r,l,r,r,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def bulk_load(smem_dst, gmem_src, num_bytes: int, mbar, pred, *, loc=None, ip=None):
+    """Non-tensor bulk copy global -> shared completing on `mbar`; issued where pred != 0."""
+    _asm(None, [_i32(smem_dst, loc, ip), _i64(gmem_src, loc, ip), _i32(mbar, loc, ip), _i32(pred, loc, ip)],
+         "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n"
+         f"@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], {num_bytes}, [$2];\n}}",
+         "r,l,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def tma_store_2d(desc_addr, c0, c1, smem_src, pred, *, loc=None, ip=None):
+    """One TMA tile store (box from the descriptor) in the current bulk group; issued where pred != 0."""
+    _asm(None, [_i64(desc_addr, loc, ip), _i32(c0, loc, ip), _i32(c1, loc, ip), _i32(smem_src, loc, ip),
+                _i32(pred, loc, ip)],
+         "{\n.reg .pred p;\nsetp.ne.b32 p, $4, 0;\n"
+         "@p cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [$0, {$1, $2}], [$3];\n}",
+         "l,r,r,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def bulk_commit(*, loc=None, ip=None):
+    _asm(None, [], "cp.async.bulk.commit_group;", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def bulk_wait_read_all(*, loc=None, ip=None):
+    _asm(None, [], "cp.async.bulk.wait_group.read 0;", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def bulk_wait_all(*, loc=None, ip=None):
+    _asm(None, [], "cp.async.bulk.wait_group 0;", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def fence_async_smem(*, loc=None, ip=None):
+    """Orders this thread's ordinary shared-memory stores before later async-proxy reads (wgmma, TMA)."""
+    _asm(None, [], "fence.proxy.async.shared::cta;", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def named_barrier(barrier_id, num_threads: int, *, loc=None, ip=None):
+    _asm(None, [_i32(barrier_id, loc, ip)], f"bar.sync $0, {num_threads};", "r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def ld_shared_u32(addr, *, loc=None, ip=None):
+    r = _asm(T.i32(), [_i32(addr, loc, ip)], "ld.shared.b32 $0, [$1];", "=r,r,~{memory}", True, loc, ip)
+    return cutlass.Uint32(r)
+
+
+@dsl_user_op
+def ld_shared_v2(addr, *, loc=None, ip=None):
+    r = _asm(llvm.StructType.get_literal([T.i32(), T.i32()]), [_i32(addr, loc, ip)],
+             "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r,~{memory}", True, loc, ip)
+    return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(2)]
+
+
+@dsl_user_op
+def ld_shared_v4(addr, *, loc=None, ip=None):
+    r = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_i32(addr, loc, ip)],
+             "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,~{memory}", True, loc, ip)
+    return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def st_shared_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
+    _asm(None, [_i32(addr, loc, ip), _u32(v0, loc, ip), _u32(v1, loc, ip), _u32(v2, loc, ip),
+                _u32(v3, loc, ip)],
+         "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def st_shared_f16_scaled(addr, acc_value, *, loc=None, ip=None):
+    """Stores fp16(acc * 2^14) (undoes the 2^-14 of the operand encoding; exact)."""
+    _asm(None, [_i32(addr, loc, ip), cutlass.Float32(acc_value).ir_value(loc=loc, ip=ip)],
+         "{\n.reg .b16 h;\n.reg .f32 f;\nmul.f32 f, $1, 0f46800000;\ncvt.rn.f16.f32 h, f;\n"
+         "st.shared.b16 [$0], h;\n}",
+         "r,f,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def scale_to_f16x2(scale_word, selector, *, loc=None, ip=None):
+    """One e4m3 byte of `scale_word` (picked by the prmt `selector`, 0x4b4b for byte b) as fp16x2
+    {s * 2^7, s * 2^7}. Exact for every finite e4m3 (subnormals included); e4m3 NaN gives fp16 NaN."""
+    r = _asm(T.i32(), [_u32(scale_word, loc, ip), _u32(selector, loc, ip)],
+             "{\n.reg .b32 x, a, b, c, z;\n.reg .pred p;\n"
+             "mov.b32 z, 0;\nprmt.b32 x, $1, z, $2;\n"
+             "shl.b32 a, x, 7;\nand.b32 a, a, 0x3F803F80;\n"
+             "shl.b32 b, x, 8;\nand.b32 b, b, 0x80008000;\n"
+             "or.b32 a, a, b;\n"
+             "mov.b32 c, 0x78007800;\n"
+             "mul.rn.f16x2 $0, a, c;\n"
+             "and.b32 b, x, 0x7F;\n"
+             "setp.eq.u32 p, b, 0x7F;\n"
+             "@p mov.b32 $0, 0x7E007E00;\n}",
+             "=r,r,r", False, loc, ip)
+    return cutlass.Uint32(r)
+
+
+@dsl_user_op
+def fp4x8_to_f16x2x4(word, scale_f16x2, *, loc=None, ip=None):
+    """8 e2m1 nibbles (nibble i = bits 4i..4i+3) -> 4 fp16x2 registers, register i holding
+    (nibble i, nibble i+4) * scale. The nibble's s.e1.e0.m bits land on fp16 bits 15, 11, 10, 9, which
+    is the e2m1 value * 2^-14 (the e=0 case is an fp16 subnormal); times scale * 2^7 (exact)."""
+    r = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_u32(word, loc, ip), _u32(scale_f16x2, loc, ip)],
+             "{\n.reg .b32 m, s;\n"
+             "shl.b32 m, $4, 9;\nand.b32 m, m, 0x0E000E00;\nshl.b32 s, $4, 12;\nand.b32 s, s, 0x80008000;\n"
+             "or.b32 m, m, s;\nmul.rn.f16x2 $0, m, $5;\n"
+             "shl.b32 m, $4, 5;\nand.b32 m, m, 0x0E000E00;\nshl.b32 s, $4, 8;\nand.b32 s, s, 0x80008000;\n"
+             "or.b32 m, m, s;\nmul.rn.f16x2 $1, m, $5;\n"
+             "shl.b32 m, $4, 1;\nand.b32 m, m, 0x0E000E00;\nshl.b32 s, $4, 4;\nand.b32 s, s, 0x80008000;\n"
+             "or.b32 m, m, s;\nmul.rn.f16x2 $2, m, $5;\n"
+             "shr.b32 m, $4, 3;\nand.b32 m, m, 0x0E000E00;\nand.b32 s, $4, 0x80008000;\n"
+             "or.b32 m, m, s;\nmul.rn.f16x2 $3, m, $5;\n}",
+             "=r,=r,=r,=r,r,r", False, loc, ip)
+    return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def tensormap_ptr(addr_i64, *, loc=None, ip=None):
+    """A 128-byte aligned global address as a TMA-descriptor pointer (for the tensormap ops)."""
+    value = cutlass.Int64(addr_i64).ir_value(loc=loc, ip=ip)
+    aligned_ty = _cute_ir.ConstrainedIntType.get(128, value.type.width)
+    aligned = _cute_ir.assume(aligned_ty, value, loc=loc, ip=ip)
+    ptr_ty = _cute_ir.PtrType.get(_cute_nvgpu_ir.TmaDescriptorTiledType.get(), cute.AddressSpace.gmem, 128)
+    return _cute_ir.inttoptr(ptr_ty, aligned, loc=loc, ip=ip)
+
+
+@cute.jit
+def update_tensormap_in_gmem(tma_atom: cute.CopyAtom, tensor: cute.Tensor, desc_addr: cutlass.Int64):
+    """Rewrites address/shape/stride of the descriptor at desc_addr (global) for `tensor` and makes it
+    visible to the TMA unit. Executed by a whole warp."""
+    ptr = tensormap_ptr(desc_addr)
+    cpasync.update_tma_descriptor(tma_atom, tensor, ptr)
+    cute.arch.sync_warp()
+    cpasync.fence_tma_desc_release()
+    cpasync.fence_tma_desc_acquire(ptr)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hopper (sm_90a) kernel
+# ---------------------------------------------------------------------------------------------------------
+class Sm90BlockScaledGroupedGemmKernel:
+    """Grouped NVFP4 GEMM for sm_90a; see the module docstring for roles, pipelines and encodings.
+
+    blocks_per_wg (bpw, compile time) = 64-row blocks of B per consumer warpgroup: 1 -> tile 128 (n) x 128
+    (m); 2 -> tile 256 x 128 (each fp16 A buffer feeds twice the MMA work: ~25 % less time per MAC on the
+    H200, but half as many tiles). Registers (setmaxnreg): producer 24, transform 64, consumers 208.
+    Shared memory: stages (4 x 18 KB | 3 x 27 KB) + 3 x 32 KB fp16 A + 2 x 16 KB epilogue, ~205 / 214 KB.
+    Named barriers: EPILOGUE_BARRIER + consumer index (128 threads each).
+    """
+
+    EPILOGUE_BARRIER = 2
+
+    A_BYTES = 128 * 64  # A fp4 rows of one stage: 128 x 64 B (128 k)
+    SF_BYTES = 1024  # one 128-row scale slice for 128 k
+    A16_BYTES = 128 * 128 * 2  # one fp16 A buffer: 128 rows x 128 k
+    C_BYTES = 128 * 64 * 2  # one epilogue slab per consumer warpgroup: 128 m x 64 n fp16
+    NUM_A16 = 3
+    DESC_BYTES = 128
+    DESCS_PER_CTA = 4  # A, B, C (consumer 0), C (consumer 1)
+
+    def __init__(self, num_groups: int, config: "Sm90GemmConfig"):
+        blocks_per_wg, num_stages = config.blocks_per_wg, config.num_stages
+        self.num_groups = num_groups
+        self.bpw = blocks_per_wg
+        self.num_stages = num_stages or (4 if blocks_per_wg == 1 else 3)
+        self.tile_m = 128  # rows of A per tile (wgmma N)
+        self.tile_n = 128 * blocks_per_wg  # rows of B per tile (2 consumer warpgroups x bpw x wgmma M 64)
+        self.k_chunk = 128  # k elements per stage
+        self.b_bytes = self.tile_n * 64
+        self.stage_bytes = self.A_BYTES + self.b_bytes + self.SF_BYTES * (1 + blocks_per_wg)
+        self.threads = 512
+        self.producer_regs = 24
+        self.transform_regs = 64
+        self.consumer_regs = 208
+
+    @cute.jit
+    def group_sizes(self, sizes: cute.Tensor, group: cutlass.Int32):
+        """(group, M, N, K) of one group from the [G, 4] size table."""
+        return (group, sizes[group, int(SizeColumn.M)], sizes[group, int(SizeColumn.N)],
+                sizes[group, int(SizeColumn.K)])
+
+    @cute.jit
+    def __call__(self, ptrs_ptr: cute.Pointer, sizes_ptr: cute.Pointer, workspace_ptr: cute.Pointer,
+                 total_tiles: cutlass.Int32, grid_x: cutlass.Int32):
+        G = self.num_groups
+        ptrs = cute.make_tensor(ptrs_ptr, cute.make_layout((G, 5), stride=(5, 1)))
+        sizes = cute.make_tensor(sizes_ptr, cute.make_layout((G, 4), stride=(4, 1)))
+        workspace = cute.make_tensor(workspace_ptr, cute.make_layout((1,)))
+
+        # Template descriptors (address/shape/stride are rewritten per group in the kernel).
+        fp4_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, cutlass.Uint8)
+        null_u8 = cute.make_ptr(cutlass.Uint8, 0, cute.AddressSpace.gmem, assumed_align=16)
+        template_ab = cute.make_tensor(null_u8, cute.make_layout((512, 128), stride=(128, 1)))
+        tma_a, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), template_ab,
+                                               cute.tile_to_shape(fp4_atom, (128, 64), order=(0, 1)), (128, 64))
+        tma_b, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), template_ab,
+                                               cute.tile_to_shape(fp4_atom, (self.tile_n, 64), order=(0, 1)),
+                                               (self.tile_n, 64))
+        # C^T view: (N, M) with n contiguous; one box = 64 n x 128 m.
+        c_smem_layout = cute.make_layout((64, self.tile_m), stride=(1, 64))
+        null_f16 = cute.make_ptr(cutlass.Float16, 0, cute.AddressSpace.gmem, assumed_align=16)
+        template_c = cute.make_tensor(null_f16, cute.make_layout((256, 256), stride=(1, 256)))
+        tma_c, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), template_c,
+                                               c_smem_layout, (64, self.tile_m))
+
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            cutlass.Float16, cutlass.Float16, _OperandMajorMode.K, _OperandMajorMode.K, cutlass.Float32,
+            (1, 1, 1), (64, self.tile_m), warpgroup.OperandSource.RMEM)
+        a16_layout = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float16),
+            (self.tile_m, self.k_chunk, self.NUM_A16), order=(0, 1, 2))
+
+        @cute.struct
+        class SharedStorage:
+            full_bar: cute.struct.MemRange[cutlass.Int64, self.num_stages]
+            empty_bar: cute.struct.MemRange[cutlass.Int64, self.num_stages]
+            a16_full_bar: cute.struct.MemRange[cutlass.Int64, self.NUM_A16]
+            a16_empty_bar: cute.struct.MemRange[cutlass.Int64, self.NUM_A16]
+            stages: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.num_stages * self.stage_bytes], 1024]
+            a16: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, cute.cosize(a16_layout)], 1024]
+            c_stage: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * self.C_BYTES], 1024]
+
+        self.shared_storage = SharedStorage
+
+        self.kernel(tma_a, tma_b, tma_c, tiled_mma, a16_layout, ptrs, sizes, workspace, total_tiles).launch(
+            grid=(grid_x, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, tma_c: cute.CopyAtom,
+               tiled_mma: cute.TiledMma, a16_layout: cute.ComposedLayout, ptrs: cute.Tensor,
+               sizes: cute.Tensor, workspace: cute.Tensor, total_tiles: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        full_bar = storage.full_bar.data_ptr().toint()
+        empty_bar = storage.empty_bar.data_ptr().toint()
+        a16_full = storage.a16_full_bar.data_ptr().toint()
+        a16_empty = storage.a16_empty_bar.data_ptr().toint()
+        stages = storage.stages.data_ptr().toint()
+        a16_base = storage.a16.data_ptr().toint()
+        c_base = storage.c_stage.data_ptr().toint()
+        sA16 = storage.a16.get_tensor(a16_layout.outer, swizzle=a16_layout.inner)
+
+        if tidx == 0:
+            for s in cutlass.range_constexpr(self.num_stages):
+                mbar_init(full_bar + 8 * s, 1)
+                mbar_init(empty_bar + 8 * s, 3 * 128)  # every transform and consumer thread
+            for b in cutlass.range_constexpr(self.NUM_A16):
+                mbar_init(a16_full + 8 * b, 128)  # every transform thread
+                mbar_init(a16_empty + 8 * b, 2 * 128)  # every consumer thread
+            fence_mbar_init()
+        cute.arch.sync_threads()
+
+        ws_cta = workspace.iterator.toint() + cutlass.Int64(bid) * (self.DESCS_PER_CTA * self.DESC_BYTES)
+
+        if warp < 4:
+            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+            if warp == 0:
+                self.producer(tma_a, tma_b, ptrs, sizes, ws_cta, total_tiles, bid, grid, full_bar,
+                              empty_bar, stages)
+        elif warp < 8:
+            cute.arch.warpgroup_reg_dealloc(self.transform_regs)
+            self.transform(sizes, total_tiles, bid, grid, tidx, full_bar, empty_bar, stages, a16_base,
+                           a16_full, a16_empty)
+        else:
+            cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+            self.consumer(tma_c, tiled_mma, sA16, ptrs, sizes, ws_cta, total_tiles, bid, grid, tidx, warp,
+                          full_bar, empty_bar, stages, a16_full, a16_empty, c_base)
+
+    # -----------------------------------------------------------------------------------------------
+    # Producer warp
+    # -----------------------------------------------------------------------------------------------
+    @cute.jit
+    def producer(self, tma_a, tma_b, ptrs, sizes, ws_cta, total_tiles, bid, grid, full_bar, empty_bar,
+                 stages):
+        lane = cute.arch.lane_idx()
+        leader = cutlass.Int32(0)
+        if lane == 0:
+            leader = cutlass.Int32(1)
+        desc_a = ws_cta
+        desc_b = ws_cta + self.DESC_BYTES
+        if lane == 0:
+            cpasync.copy_tensormap(tma_a, tensormap_ptr(desc_a))
+            cpasync.copy_tensormap(tma_b, tensormap_ptr(desc_b))
+        cute.arch.sync_warp()
+
+        chunk = cutlass.Int32(0)
+        last_g = cutlass.Int32(-1)
+        scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
+        group, group_first, group_tiles = scheduler.first_state()
+        tile = cutlass.Int32(bid)
+        while tile < total_tiles:
+            group, group_first, group_tiles = scheduler.find_group(tile, group, group_first, group_tiles)
+            g, m_size, n_size, k_size = self.group_sizes(sizes, group)
+            m_tile, n_tile = scheduler.tile_coord(tile, group_first, m_size)
+            if g != last_g:
+                if chunk > 0:
+                    # Drain: every load issued with the old descriptors has landed and been consumed.
+                    last = chunk - 1
+                    mbar_wait(empty_bar + 8 * (last % self.num_stages), (last // self.num_stages) % 2)
+                kb = k_size // 2
+                a_tensor = cute.make_tensor(
+                    cute.make_ptr(cutlass.Uint8, ptrs[g, 0], cute.AddressSpace.gmem, assumed_align=16),
+                    cute.make_layout((m_size, kb), stride=(kb, 1)))
+                b_tensor = cute.make_tensor(
+                    cute.make_ptr(cutlass.Uint8, ptrs[g, 1], cute.AddressSpace.gmem, assumed_align=16),
+                    cute.make_layout((n_size, kb), stride=(kb, 1)))
+                update_tensormap_in_gmem(tma_a, a_tensor, desc_a)
+                update_tensormap_in_gmem(tma_b, b_tensor, desc_b)
+                last_g = g
+            sfa = ptrs[g, 3]
+            sfb = ptrs[g, 4]
+            rest_k = k_size // 64
+            sfa_row = cutlass.Int64(m_tile * rest_k) * 512
+            for c in range(k_size // self.k_chunk):
+                s = chunk % self.num_stages
+                phase = (chunk // self.num_stages) % 2
+                mbar_wait(empty_bar + 8 * s, phase ^ 1)
+                full = full_bar + 8 * s
+                stage = stages + s * self.stage_bytes
+                mbar_arrive_expect_tx(full, self.stage_bytes, leader)
+                tma_load_2d(stage, desc_a, c * 64, m_tile * self.tile_m, full, leader)
+                tma_load_2d(stage + self.A_BYTES, desc_b, c * 64, n_tile * self.tile_n, full, leader)
+                sf_off = cutlass.Int64(c) * 1024
+                sf_stage = stage + self.A_BYTES + self.b_bytes
+                bulk_load(sf_stage, sfa + sfa_row + sf_off, self.SF_BYTES, full, leader)
+                for nb in cutlass.range_constexpr(self.bpw):
+                    sfb_row = cutlass.Int64((n_tile * self.bpw + nb) * rest_k) * 512
+                    bulk_load(sf_stage + (1 + nb) * self.SF_BYTES, sfb + sfb_row + sf_off, self.SF_BYTES,
+                              full, leader)
+                chunk = chunk + 1
+            tile = tile + grid
+
+    # -----------------------------------------------------------------------------------------------
+    # Transform warpgroup: A fp4 (stage) -> fp16 buffer (the wgmma B operand), one row per thread
+    # -----------------------------------------------------------------------------------------------
+    @cute.jit
+    def transform(self, sizes, total_tiles, bid, grid, tidx, full_bar, empty_bar, stages, a16_base,
+                  a16_full, a16_empty):
+        row = tidx % 128
+        a_row_off = row * 64
+        a_swz16 = ((row >> 1) & 3) * 16
+        sfa_off = (row % 32) * 16 + ((row // 32) % 4) * 4
+        sel0 = cutlass.Uint32((4 << 12) | (4 << 4))
+        a16_row = row * 128
+        a16_swz16 = (row % 8) * 16
+        chunk = cutlass.Int32(0)
+        scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
+        group, group_first, group_tiles = scheduler.first_state()
+        tile = cutlass.Int32(bid)
+        while tile < total_tiles:
+            group, group_first, group_tiles = scheduler.find_group(tile, group, group_first, group_tiles)
+            g, m_size, n_size, k_size = self.group_sizes(sizes, group)
+            m_tile, n_tile = scheduler.tile_coord(tile, group_first, m_size)
+            for _ in range(k_size // self.k_chunk):
+                s = chunk % self.num_stages
+                b = chunk % self.NUM_A16
+                mbar_wait(full_bar + 8 * s, (chunk // self.num_stages) % 2)
+                stage = stages + s * self.stage_bytes
+                # words[q'] = physical k 32 q' + [0, 32) of this row: word (q', t) covers 32 q' + 8 t + [0, 8)
+                words = [ld_shared_v4(stage + a_row_off + ((16 * qq) ^ a_swz16)) for qq in range(4)]
+                sf_a = stage + self.A_BYTES + self.b_bytes + sfa_off
+                sf = [ld_shared_u32(sf_a + 512 * sub) for sub in range(2)]
+                mbar_arrive(empty_bar + 8 * s)
+                mbar_wait(a16_empty + 8 * b, ((chunk // self.NUM_A16) % 2) ^ 1)
+                a16 = a16_base + b * self.A16_BYTES + a16_row
+                for t in cutlass.range_constexpr(4):
+                    # scale block of word (q', t): 2 q' + t // 2 -> word q' // 2, byte 2 (q' % 2) + t // 2
+                    conv = [fp4x8_to_f16x2x4(words[qq][t], scale_to_f16x2(
+                        sf[qq // 2], sel0 | cutlass.Uint32((2 * (qq % 2) + t // 2) * 0x101))) for qq in range(4)]
+                    for i in cutlass.range_constexpr(4):
+                        s_log = 2 * t + i // 2  # logical k16 step; slot i % 2 selects k 8..15 of the step
+                        addr = a16 + (s_log // 4) * 16384 + ((((2 * s_log + i % 2) % 8) * 16) ^ a16_swz16)
+                        st_shared_v4(addr, conv[0][i], conv[1][i], conv[2][i], conv[3][i])
+                fence_async_smem()
+                mbar_arrive(a16_full + 8 * b)
+                chunk = chunk + 1
+            tile = tile + grid
+
+    # -----------------------------------------------------------------------------------------------
+    # Consumer warpgroups
+    # -----------------------------------------------------------------------------------------------
+    @cute.jit
+    def consumer(self, tma_c, tiled_mma, sA16, ptrs, sizes, ws_cta, total_tiles, bid, grid, tidx, warp,
+                 full_bar, empty_bar, stages, a16_full, a16_empty, c_base):
+        # warp-uniform values stay in uniform registers (TMA operands must not need a predicated R2UR)
+        wg = warp // 4 - 2
+        w = warp % 4
+        tid = tidx % 128
+        lane = tid % 32
+        leader = cutlass.Int32(0)
+        if tid == 0:
+            leader = cutlass.Int32(1)
+        desc_c = ws_cta + (2 + wg) * self.DESC_BYTES
+        if tid == 0:
+            cpasync.copy_tensormap(tma_c, tensormap_ptr(desc_c))
+        cute.arch.sync_warp()
+
+        thr_mma = tiled_mma.get_slice(tid)
+        # (MMA, MMA_N, MMA_K, A16 buffer)
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sA16))
+        # (MMA, MMA_M, MMA_N) per 64-row block of B
+        accs = [cute.make_rmem_tensor(tiled_mma.partition_shape_C((64, self.tile_m)), cutlass.Float32)
+                for _ in range(self.bpw)]
+        # (MMA, MMA_M, MMA_K=2): register-sourced wgmma A operand for a quarter chunk (32 k), per block,
+        # two buffers (even / odd quarter)
+        frag_shape = tiled_mma.partition_shape_A((64, 32))
+        frags = [[cute.make_rmem_tensor(frag_shape, cutlass.Float16) for _ in range(2)] for _ in range(self.bpw)]
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+        # Per-thread constants, kept to a few registers: every other offset is base + compile-time constant.
+        # B: rows r, r + 8 of each 64-row block (r + 8 and r + 64 keep the SW64 swizzle and the scale-slice
+        # position: +512 / +4096 bytes of B, +128 / +8 bytes of SFB), 16-byte column chunk q.
+        q = lane % 4
+        b_row = 64 * self.bpw * wg + 16 * w + lane // 4
+        b_off = b_row * 64 + 16 * (q ^ ((b_row >> 1) & 3))
+        sfb_off = (b_row // 128) * self.SF_BYTES + (q // 2) * 512 + (b_row % 32) * 16 + ((b_row // 32) % 4) * 4
+        b_sel = cutlass.Uint32((4 << 12) | (4 << 4)) | cutlass.Uint32(2 * (q % 2) * 0x101)
+        chunk = cutlass.Int32(0)
+        last_g = cutlass.Int32(-1)
+        scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
+        group, group_first, group_tiles = scheduler.first_state()
+        tile = cutlass.Int32(bid)
+        while tile < total_tiles:
+            group, group_first, group_tiles = scheduler.find_group(tile, group, group_first, group_tiles)
+            g, m_size, n_size, k_size = self.group_sizes(sizes, group)
+            m_tile, n_tile = scheduler.tile_coord(tile, group_first, m_size)
+            if g != last_g:
+                if w == 0:
+                    if lane == 0:
+                        bulk_wait_all()
+                    cute.arch.sync_warp()
+                    c_tensor = cute.make_tensor(
+                        cute.make_ptr(cutlass.Float16, ptrs[g, 2], cute.AddressSpace.gmem, assumed_align=16),
+                        cute.make_layout((n_size, m_size), stride=(1, n_size)))
+                    update_tensormap_in_gmem(tma_c, c_tensor, desc_c)
+                last_g = g
+
+            for blk in cutlass.range_constexpr(self.bpw):
+                accs[blk].fill(0.0)
+            first = cutlass.Int32(1)
+            for _ in range(k_size // self.k_chunk):
+                self.consume_chunk(chunk, first, frags, accs, tCrB, tiled_mma, full_bar, empty_bar, stages,
+                                   a16_full, a16_empty, b_off, sfb_off, b_sel)
+                first = cutlass.Int32(0)
+                chunk = chunk + 1
+            warpgroup.wait_group(0)
+            mbar_arrive(a16_empty + 8 * ((chunk - 1) % self.NUM_A16))
+
+            # Epilogue: per block, acc (64 n x 128 m) -> fp16 slab [m][n] in shared memory -> TMA store.
+            c_slab = cute.arch.make_warp_uniform(c_base + wg * self.C_BYTES)
+            m0 = cute.arch.make_warp_uniform(m_tile * self.tile_m)
+            for blk in cutlass.range_constexpr(self.bpw):
+                if tid == 0:
+                    bulk_wait_read_all()  # the previous store has read the slab (no-op when none is pending)
+                named_barrier(self.EPILOGUE_BARRIER + wg, 128)
+                acc = accs[blk]
+                for v in cutlass.range_constexpr(cute.size(acc)):
+                    n_local = 16 * w + lane // 4 + 8 * ((v // 2) % 2)
+                    m_local = 2 * (lane % 4) + (v % 2) + 8 * (v // 4)
+                    st_shared_f16_scaled(c_slab + (m_local * 64 + n_local) * 2, acc[v])
+                fence_async_smem()
+                named_barrier(self.EPILOGUE_BARRIER + wg, 128)
+                n0 = cute.arch.make_warp_uniform(n_tile * self.tile_n + 64 * (self.bpw * wg + blk))
+                tma_store_2d(desc_c, n0, m0, c_slab, leader)
+                if tid == 0:
+                    bulk_commit()
+            tile = tile + grid
+        if tid == 0:
+            bulk_wait_all()
+
+    @cute.jit
+    def consume_chunk(self, chunk, first, frags, accs, tCrB, tiled_mma, full_bar, empty_bar, stages, a16_full,
+                      a16_empty, b_off, sfb_off, b_sel):
+        s = chunk % self.num_stages
+        buf = chunk % self.NUM_A16
+        mbar_wait(full_bar + 8 * s, (chunk // self.num_stages) % 2)
+        stage = stages + s * self.stage_bytes
+        sf_b = stage + self.A_BYTES + self.b_bytes + self.SF_BYTES
+
+        # -- this thread's B rows (r, r + 8 of each block) and their scale words; then release the stage
+        b_rows = [(blk, half) for blk in range(self.bpw) for half in range(2)]
+        b_words = [ld_shared_v4(stage + self.A_BYTES + b_off + 4096 * blk + 512 * half) for blk, half in b_rows]
+        b_sf = [ld_shared_u32(sf_b + sfb_off + 8 * blk + 128 * half) for blk, half in b_rows]
+        mbar_arrive(empty_bar + 8 * s)
+        b_sc = [[scale_to_f16x2(b_sf[r], b_sel + e * 0x101) for e in range(2)] for r in range(2 * self.bpw)]
+        mbar_wait(a16_full + 8 * buf, (chunk // self.NUM_A16) % 2)
+
+        # -- per quarter (32 k = word t of each row): dequantize into the register fragment and issue
+        # 2 k-steps of wgmma per block; a fragment buffer is rewritten two quarters later.
+        for t in cutlass.range_constexpr(4):
+            warpgroup.wait_group(1)
+            if t == 1:
+                # every wgmma of the previous chunk has retired: its fp16 A buffer can be refilled
+                mbar_arrive_if(a16_empty + 8 * ((chunk + self.NUM_A16 - 1) % self.NUM_A16), 1 - first)
+            for blk in cutlass.range_constexpr(self.bpw):
+                frag_u32 = cute.recast_tensor(frags[blk][t % 2], cutlass.Uint32)
+                o0 = fp4x8_to_f16x2x4(b_words[2 * blk][t], b_sc[2 * blk][t // 2])
+                o1 = fp4x8_to_f16x2x4(b_words[2 * blk + 1][t], b_sc[2 * blk + 1][t // 2])
+                for i in cutlass.range_constexpr(4):
+                    step = i // 2
+                    slot = i % 2
+                    frag_u32[4 * step + 2 * slot] = o0[i]
+                    frag_u32[4 * step + 2 * slot + 1] = o1[i]
+            warpgroup.fence()
+            for blk in cutlass.range_constexpr(self.bpw):
+                for step in cutlass.range_constexpr(2):
+                    cute.gemm(tiled_mma, accs[blk], frags[blk][t % 2][(None, None, step)],
+                              tCrB[(None, None, 2 * t + step, buf)], accs[blk])
+            warpgroup.commit_group()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Compile cache
 # ---------------------------------------------------------------------------------------------------------
@@ -1738,15 +2391,18 @@ _compiled_kernels: dict = {}
 
 def _compile(key: tuple) -> Callable:
     _, part, arch, _, config, num_groups = key
-    if not arch.startswith("sm_10"):
-        raise UnsupportedDeviceError(f"no kernel for {arch}: only sm_100 (Blackwell) is implemented; "
-                                     "the Hopper (sm_90) path is not implemented yet")
     # Placeholder addresses and counts: only the pointer types (dtype, alignment) and G are baked in.
     tables = (
         gmem_ptr(cutlass.Int64, 0, METADATA_ALIGN_BYTES),
         gmem_ptr(cutlass.Int32, 0, METADATA_ALIGN_BYTES),
         gmem_ptr(cutlass.Int64, 0, TENSORMAP_BYTES),
     )
+    if isinstance(config, Sm90GemmConfig) and arch.startswith("sm_90"):
+        kernel = Sm90BlockScaledGroupedGemmKernel(num_groups, config)
+        return cute.compile(kernel, *tables, cutlass.Int32(1), cutlass.Int32(1))
+    if not (arch.startswith("sm_10") and not isinstance(config, Sm90GemmConfig)):
+        raise UnsupportedDeviceError(f"no kernel for {arch} with {type(config).__name__}: kernels exist for "
+                                     "sm_100a (Blackwell) and sm_90a (Hopper)")
     if isinstance(config, Sm100PersistentConfig):
         kernel = Sm100PersistentGroupedGemmKernel(config)
         if part == "tensormaps":
@@ -1789,10 +2445,10 @@ def _device_sm_count(index: int) -> int:
 
 def _check_device(device: torch.device) -> None:
     major, minor = _device_capability(device.index)
-    if major != 10:
+    if (major, minor) not in ((10, 0), (9, 0)):
         raise UnsupportedDeviceError(
-            f"{torch.cuda.get_device_name(device)} ({device}) has compute capability {major}.{minor}; this "
-            "kernel needs Blackwell (10.x, sm_100a). The Hopper (sm_90) path is not implemented yet.")
+            f"{torch.cuda.get_device_name(device)} ({device}) has compute capability {major}.{minor}; kernels "
+            "exist for Blackwell B200 (10.0, sm_100a) and Hopper (9.0, sm_90a) only.")
 
 
 def kernel_parts(config) -> tuple:
@@ -1806,8 +2462,9 @@ def compile_for(num_groups: int, arch: Optional[str] = None, variant: Optional[s
     """Build the kernels for `num_groups` groups, without launching them, through custom_kernel's cache.
 
     The DSL builds for CUTE_DSL_ARCH when it is set (no GPU needed), else for the current GPU; `arch`, when
-    given, must name that same target. `variant` defaults to KERNEL_VARIANT. Only the sm_100 family has a
-    kernel: another target raises UnsupportedDeviceError. Returns the compiled GEMM kernel. The variant's
+    given, must name that same target. `variant` defaults to KERNEL_VARIANT on sm_100a and to
+    "sm90_tile128" on sm_90a (one of SM90_VARIANT_CONFIGS there); another target raises
+    UnsupportedDeviceError. Returns the compiled GEMM kernel. The variant's
     other kernel (the descriptor preparation of "persistent") is built too, after the GEMM; its cubin's
     name sorts before the GEMM's.
 
@@ -1820,9 +2477,14 @@ def compile_for(num_groups: int, arch: Optional[str] = None, variant: Optional[s
     target = _target_arch(None)
     if arch is not None and arch != target:
         raise ValueError(f"compile_for(arch={arch!r}), but the DSL builds for {target!r} (CUTE_DSL_ARCH or the GPU)")
-    if variant is not None and variant not in VARIANT_CONFIGS:
-        raise ValueError(f"unknown kernel variant {variant!r}; choose one of {KERNEL_VARIANTS}")
-    config = variant_config(variant or KERNEL_VARIANT)
+    if target.startswith("sm_90"):
+        if variant is not None and variant not in SM90_VARIANT_CONFIGS:
+            raise ValueError(f"unknown Hopper variant {variant!r}; choose one of {tuple(SM90_VARIANT_CONFIGS)}")
+        config = SM90_VARIANT_CONFIGS[variant or "sm90_tile128"]
+    else:
+        if variant is not None and variant not in VARIANT_CONFIGS:
+            raise ValueError(f"unknown kernel variant {variant!r}; choose one of {KERNEL_VARIANTS}")
+        config = variant_config(variant or KERNEL_VARIANT)
     parts = kernel_parts(config)
     return [compiled_kernel(compile_key(num_groups, target, config, part)) for part in parts][0]
 
@@ -1956,13 +2618,16 @@ def can_implement(data) -> tuple:
 # ---------------------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------------------
-def _build_launch_metadata(data, device: torch.device, variant: str) -> LaunchMetadata:
-    config = variant_config(variant)
+def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata:
     ptr_table, size_table = pack_group_metadata(data, device)
     num_tiles = num_output_tiles(data[3], config.tile_mn)
     tables = (gmem_ptr(cutlass.Int64, ptr_table.data_ptr(), METADATA_ALIGN_BYTES),
               gmem_ptr(cutlass.Int32, size_table.data_ptr(), METADATA_ALIGN_BYTES))
-    if isinstance(config, Sm100PersistentConfig):
+    if isinstance(config, Sm90GemmConfig):
+        num_ctas = min(num_tiles, _device_sm_count(device.index))
+        workspace_bytes = num_ctas * Sm90BlockScaledGroupedGemmKernel.DESCS_PER_CTA * TENSORMAP_BYTES
+        counts = (cutlass.Int32(num_tiles), cutlass.Int32(num_ctas))
+    elif isinstance(config, Sm100PersistentConfig):
         num_ctas = min(num_tiles, _device_sm_count(device.index))
         workspace_bytes = Sm100PersistentGroupedGemmKernel.tensormap_workspace_bytes(config, len(data[3]), num_ctas)
         counts = (cutlass.Int32(num_tiles), cutlass.Int32(num_ctas))
@@ -1975,21 +2640,28 @@ def _build_launch_metadata(data, device: torch.device, variant: str) -> LaunchMe
     return LaunchMetadata(ptr_table, size_table, workspace, num_tiles, num_ctas, (*tables, *counts), tables)
 
 
-def launch_metadata(data, device: torch.device, variant: Optional[str] = None) -> LaunchMetadata:
-    """The variant's launch metadata for these pointers and sizes, built (and its descriptors prepared,
-    where the variant prepares them up front) on a cache miss."""
-    variant = variant or KERNEL_VARIANT
-    config = variant_config(variant)
+def kernel_config(data, device: torch.device):
+    """The kernel configuration custom_kernel runs for this input on this device: on Hopper the tile
+    variant that suits the problem sizes, on Blackwell KERNEL_VARIANT's."""
+    if _target_arch(device).startswith("sm_90"):
+        return choose_sm90_config(data[3], _device_sm_count(device.index))
+    return variant_config(KERNEL_VARIANT)
+
+
+def launch_metadata(data, device: torch.device, config=None) -> LaunchMetadata:
+    """The launch metadata of `config` (default: kernel_config) for these pointers and sizes, built (and
+    its descriptors prepared, where the kernel prepares them up front) on a cache miss."""
+    config = config or kernel_config(data, device)
 
     def build():
-        metadata = _build_launch_metadata(data, device, variant)
+        metadata = _build_launch_metadata(data, device, config)
         if "tensormaps" in kernel_parts(config):
             # Queued ahead of every GEMM that will use this workspace; it completes before they start.
             prepare = compiled_kernel(compile_key(len(data[3]), _target_arch(device), config, "tensormaps"))
             prepare(*metadata.table_args)
         return metadata
 
-    key = (variant, launch_metadata_key(data, config.tile_mn))
+    key = (config, launch_metadata_key(data, config.tile_mn))
     return cached_launch_metadata(key, build)
 
 
@@ -2067,8 +2739,9 @@ def _prepare_call(data) -> _PreparedCall:
     device = abc[0][0].device
     _check_device(device)
     variant = KERNEL_VARIANT
-    kernel = compiled_kernel(compile_key(len(sizes), _target_arch(device), variant_config(variant), "gemm"))
-    metadata = launch_metadata(data, device, variant)
+    config = kernel_config(data, device)
+    kernel = compiled_kernel(compile_key(len(sizes), _target_arch(device), config, "gemm"))
+    metadata = launch_metadata(data, device, config)
     entry = _PreparedCall(lists=(abc, sfr, sizes), items=(tuple(abc), tuple(sfr), tuple(sizes)),
                           launch=make_launcher(kernel, metadata.launch_args), metadata=metadata,
                           outputs=tuple(c for _, _, c in abc))
@@ -2084,7 +2757,7 @@ def custom_kernel(data: input_t) -> output_t:
     """GPU MODE entry point: writes every group's C = (A * SFA) @ (B * SFB)^T and returns the list of C.
 
     Raises ValueError(reason) when `can_implement` rejects the input, UnsupportedDeviceError on a GPU that
-    is not Blackwell; both before anything is compiled or launched. A repeated call on the same input
+    is neither a B200 (sm_100) nor a Hopper (sm_90); both before anything is compiled or launched. A repeated call on the same input
     objects skips straight to the launch (`_prepared_call`).
     """
     entry = _prepared_call(data)

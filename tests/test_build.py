@@ -17,7 +17,7 @@ pytestmark = [
 
 
 def _compile(tmp_path, arch, extra=()):
-    out = tmp_path / f"{arch}.json"
+    out = tmp_path / f"{arch}{'_'.join(extra)}.json"
     proc = subprocess.run([sys.executable, str(ROOT / "eval.py"), "compile", "--arch", arch,
                            str(ROOT / "task.yml"), "--json", str(out), *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=3600)
@@ -26,9 +26,10 @@ def _compile(tmp_path, arch, extra=()):
     return proc, json.loads(out.read_text())
 
 
-def test_sm100a_builds_for_every_task_group_count(tmp_path):
+@pytest.mark.parametrize("variant", ["persistent", "persistent_per_cta", "seed", "persistent_n256"])
+def test_sm100a_builds_for_every_task_group_count(tmp_path, variant):
     task = load_task_yml()
-    proc, report = _compile(tmp_path, "sm_100a")
+    proc, report = _compile(tmp_path, "sm_100a", ("--variant", variant))
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert len(report) == len(task["tests"]) + len(task["benchmarks"])
     assert {r["groups"] for r in report} == {c["g"] for c in task["tests"] + task["benchmarks"]}
@@ -36,8 +37,24 @@ def test_sm100a_builds_for_every_task_group_count(tmp_path):
         assert row["ok"], row
         sass = row["sass"]
         assert sass["UTCOMMA"] > 0 and sass["UTMALDG"] > 0, row  # tcgen05 MMA and TMA loads are there
+        if variant != "seed":
+            assert sass["UTMASTG"] > 0, row  # TMA-store epilogue (the seed stores with STG)
         assert sass["LDL"] == 0 and sass["STL"] == 0, row  # no local-memory spills
         assert row["resources"]["REG"] > 0
+
+
+@pytest.mark.parametrize("variant", ["sm90_tile128", "sm90_tile256"])
+def test_sm90a_builds_for_every_task_group_count(tmp_path, variant):
+    proc, report = _compile(tmp_path, "sm_90a", ("--variant", variant))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for row in report:
+        assert row["ok"], row
+        sass = row["sass"]
+        # wgmma, TMA loads of the fp4 bytes, TMA store of C
+        assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["UTMASTG"] > 0, row
+        assert sass["UTCOMMA"] == 0, row  # no Blackwell instruction leaked in
+        if variant == "sm90_tile128":
+            assert sass["LDL"] == 0 and sass["STL"] == 0, row
 
 
 def test_compile_reports_a_bad_case_file(tmp_path):

@@ -1,0 +1,141 @@
+"""custom_kernel's Hopper (sm_90a) kernel on an H100/H200: every task.yml case and the edge cases through
+reference.check_implementation, outputs poisoned with NaN first, in each tile variant.
+
+Skipped unless a CUDA GPU of capability (9, 0) and nvidia-cutlass-dsl are present.
+"""
+import pytest
+import torch
+
+import reference
+from conftest import cuda_capability, load_task_yml
+
+HOPPER = cuda_capability() == (9, 0)
+try:
+    import cutlass  # noqa: F401
+    HAVE_DSL = True
+except ImportError:
+    HAVE_DSL = False
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (HOPPER and HAVE_DSL), reason="needs an sm_90 GPU and nvidia-cutlass-dsl")]
+
+# "auto": the tile custom_kernel picks by itself; the others force one entry of SM90_VARIANT_CONFIGS.
+CONFIGS = ["auto", "sm90_tile128", "sm90_tile256"]
+
+
+def _task_cases(section):
+    return [{k: case[k] for k in ("m", "n", "k", "g", "seed")} for case in load_task_yml()[section]]
+
+
+EDGE_CASES = {
+    "m_odd": dict(m=[1, 8, 33, 127, 129, 1000], n=[128, 256, 128, 384, 128, 256], k=[256, 512, 256, 768, 256, 512],
+                  g=6, seed=7),
+    "m_odd_n256": dict(m=[1, 8, 33, 127, 129, 1000], n=[256, 512, 256, 768, 256, 512],
+                       k=[256, 512, 256, 768, 256, 512], g=6, seed=12),
+    "g1": dict(m=[200], n=[512], k=[1024], g=1, seed=8),
+    "g16": dict(m=[1 + (37 * i) % 300 for i in range(16)], n=[256 * (1 + i % 3) for i in range(16)],
+                k=[256 * (1 + (5 * i) % 7) for i in range(16)], g=16, seed=9),
+    "k7168": dict(m=[72, 129], n=[256, 512], k=[7168, 7168], g=2, seed=10),
+}
+
+
+@pytest.fixture
+def sm90(request, monkeypatch):
+    """The submission, with the Hopper tile variant forced where the test asks for one."""
+    import submission
+
+    config = getattr(request, "param", "auto")
+    if config != "auto":
+        forced = submission.SM90_VARIANT_CONFIGS[config]
+        monkeypatch.setattr(submission, "choose_sm90_config", lambda sizes, num_sms: forced)
+    return submission
+
+
+def _run(sm90, config, data):
+    return sm90.custom_kernel(data)
+
+
+def _supported(sm90, config, args):
+    if config == "auto":
+        return True
+    tile_n = sm90.SM90_VARIANT_CONFIGS[config].tile_mn[1]
+    return all(n % tile_n == 0 for n in args["n"])
+
+
+def _clone(data):
+    abc, sfs, sfs_r, sizes = data
+    return ([tuple(t.clone() for t in x) for x in abc], [tuple(t.clone() for t in x) for x in sfs],
+            [tuple(t.clone() for t in x) for x in sfs_r], list(sizes))
+
+
+def _check(sm90, config, data):
+    expect = _clone(data)
+    for _, _, c in data[0]:
+        c.fill_(float("nan"))
+    out = _run(sm90, config, data)
+    torch.cuda.synchronize()
+    for c in out:
+        assert not torch.isnan(c).any(), "an output element was never written"
+    ok, msg = reference.check_implementation(expect, out)
+    assert ok, msg
+
+
+def _full_range(data, seed, a_exp_max, b_exp_max):
+    """Every e2m1 code in A and B; scales from all finite e4m3 codes (both signs, subnormals) whose exponent
+    field is at most a_exp_max / b_exp_max (keeps the fp16 result finite)."""
+    gen = torch.Generator().manual_seed(seed)
+    abc, sfs, _, sizes = data
+    sfs_r = []
+    for (a, b, _), (sfa, sfb), (m, n, k, l) in zip(abc, sfs, sizes):
+        a.view(torch.uint8).copy_(torch.randint(0, 256, a.shape, generator=gen, dtype=torch.uint8))
+        b.view(torch.uint8).copy_(torch.randint(0, 256, b.shape, generator=gen, dtype=torch.uint8))
+        for sf, emax in ((sfa, a_exp_max), (sfb, b_exp_max)):
+            pool = torch.tensor([c for c in range(256) if ((c >> 3) & 0xF) <= emax and (c & 0x7F) != 0x7F],
+                                dtype=torch.uint8)
+            sf.view(torch.uint8).copy_(pool[torch.randint(0, len(pool), sf.shape, generator=gen)])
+        sfs_r.append((reference.create_reordered_scale_factor_tensor(l, m, k, sfa),
+                      reference.create_reordered_scale_factor_tensor(l, n, k, sfb)))
+    return abc, sfs, sfs_r, sizes
+
+
+@pytest.mark.parametrize("args", [pytest.param(a, id=f"test{i}") for i, a in enumerate(_task_cases("tests"))]
+                         + [pytest.param(a, id=f"bench{i}") for i, a in enumerate(_task_cases("benchmarks"))])
+@pytest.mark.parametrize("sm90", CONFIGS, indirect=True)
+def test_task_cases(sm90, args, request):
+    config = request.node.callspec.params["sm90"]
+    if not _supported(sm90, config, args):
+        pytest.skip(f"{config} needs N % 256 == 0")
+    _check(sm90, config, reference.generate_input(**args))
+    # fresh inputs, same shapes: only the compile and per-pointer launch metadata may be reused
+    _check(sm90, config, reference.generate_input(**dict(args, seed=args["seed"] + 17)))
+
+
+@pytest.mark.parametrize("name", list(EDGE_CASES))
+@pytest.mark.parametrize("sm90", CONFIGS, indirect=True)
+def test_edge_cases(sm90, name, request):
+    config = request.node.callspec.params["sm90"]
+    args = EDGE_CASES[name]
+    if not _supported(sm90, config, args):
+        pytest.skip(f"{config} needs N % 256 == 0")
+    _check(sm90, config, reference.generate_input(**args))
+
+
+@pytest.mark.parametrize("sm90", CONFIGS, indirect=True)
+@pytest.mark.parametrize("scales", [(9, 9), (15, 2)], ids=["small_scales", "all_a_scales"])
+def test_full_range_codes(sm90, scales, request):
+    config = request.node.callspec.params["sm90"]
+    # The generator only draws e2m1 codes {0, ±0.5, ±1, ±1.5} and scales {1, 2}: the bit-trick dequantizer
+    # must be exact for every code, subnormal and negative scales included.
+    args = dict(m=[40, 200, 129], n=[256, 512, 256], k=[256, 512, 256], g=3, seed=11)
+    _check(sm90, config, _full_range(reference.generate_input(**args), 1, *scales))
+
+
+def test_same_buffers_new_sizes(sm90):
+    # Regression for the launch-metadata cache (keyed by pointers and sizes): same pointers, smaller M must
+    # not reuse the stale size table.
+    data = reference.generate_input(m=(128, 128), n=(256, 128), k=(512, 256), g=2, seed=3)
+    sm90.custom_kernel(data)
+    abc, sfs, sfs_r, sizes = data
+    small = [(a[:64], b, c[:64]) for a, b, c in abc]
+    small_sfs = [(sfa[:64], sfb) for sfa, sfb in sfs]
+    _check(sm90, "auto", (small, small_sfs, sfs_r, [(64, n, k, l) for _, n, k, l in sizes]))

@@ -1,0 +1,187 @@
+"""CPU emulation of the sm90 kernel's per-thread index math and bit tricks (no GPU, no DSL needed).
+
+Checks, for one 128-k chunk of a 128 x 128 tile, that
+  * the e2m1 -> fp16 and e4m3 -> fp16 bit tricks are exact for every code,
+  * the A side (fp16 buffer written by the consumers, read through the wgmma SW128 K-major layout) and
+    the B side (register fragment, wgmma A-operand thread/value layout) use the same k permutation,
+so that sum_k Alog[m, k] * Blog[n, k] * 2^14 equals the exact dequantized product for the chunk.
+It mirrors the constants and formulas of submission.py's Sm90 helpers (scale_to_f16x2,
+fp4x8_to_f16x2x4, the transform and consumer index math): change both together.
+"""
+import numpy as np
+import torch
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+M32 = 0xFFFFFFFF
+
+
+def f16x2_mul(a, b):
+    lo = (np.array([a & 0xFFFF], np.uint16).view(np.float16) * np.array([b & 0xFFFF], np.uint16).view(np.float16))
+    hi = (np.array([a >> 16], np.uint16).view(np.float16) * np.array([b >> 16], np.uint16).view(np.float16))
+    return int(lo.view(np.uint16)[0]) | (int(hi.view(np.uint16)[0]) << 16)
+
+
+def prmt(a, b, sel):
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for k in range(4):
+        s = (sel >> (4 * k)) & 0xF
+        byte = src[s & 7]
+        if s & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * k)
+    return out
+
+
+def scale_to_f16x2(word, sel):
+    x = prmt(word, 0, sel)
+    a = ((x << 7) & M32) & 0x3F803F80
+    b = ((x << 8) & M32) & 0x80008000
+    r = f16x2_mul(a | b, 0x78007800)
+    if (x & 0x7F) == 0x7F:
+        r = 0x7E007E00
+    return r
+
+
+def fp4x8_to_f16x2x4(w, sc):
+    out = []
+    for i, (sm, ss) in enumerate([(9, 12), (5, 8), (1, 4), (-3, 0)]):
+        m = ((w << sm) if sm >= 0 else (w >> -sm)) & M32 & 0x0E000E00
+        s = (w << ss) & M32 & 0x80008000
+        out.append(f16x2_mul(m | s, sc))
+    return out
+
+
+def halves(u):
+    return np.array([u & 0xFFFF, u >> 16], np.uint16).view(np.float16).astype(np.float64)
+
+
+def check_bit_tricks():
+    # every e4m3 code (NaN codes must give NaN)
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64).numpy()
+    for v in range(256):
+        for b in range(4):
+            word = (v << (8 * b)) | (0x5A << (8 * ((b + 1) % 4)))
+            got = halves(scale_to_f16x2(word, (4 << 12) | (4 << 4) | b * 0x101))
+            want = e4m3[v] * 2.0 ** 7
+            assert (np.isnan(want) and np.isnan(got).all()) or (got == want).all(), (v, b, got, want)
+    # every pair of e2m1 codes with a range of scales
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        w = int(rng.integers(0, 2 ** 32))
+        s = int(rng.integers(0, 256))
+        if s & 0x7F == 0x7F:
+            continue
+        sc = scale_to_f16x2(s, 0x4040)
+        regs = fp4x8_to_f16x2x4(w, sc)
+        for i in range(4):
+            got = halves(regs[i])
+            want = np.array([E2M1[(w >> (4 * i)) & 0xF], E2M1[(w >> (4 * (i + 4))) & 0xF]]) * e4m3[s] * 2.0 ** -7
+            assert (got == want).all(), (hex(w), s, i, got, want)
+    print("bit tricks: exact for all e4m3 codes and random e2m1 words")
+
+
+def sw64(row, chunk16):
+    return row * 64 + 16 * (chunk16 ^ ((row >> 1) & 3))
+
+
+def check_chunk(seed=0):
+    rng = np.random.default_rng(seed)
+    a_bytes = rng.integers(0, 256, (128, 64), dtype=np.uint8)
+    b_bytes = rng.integers(0, 256, (128, 64), dtype=np.uint8)
+    # scale bytes: avoid NaN codes; one 128-row block x 8 k-blocks of 16 for this chunk
+    def rand_sf():
+        v = rng.integers(0, 256, (128, 8)).astype(np.uint8)
+        v[(v & 0x7F) == 0x7F] = 0x38
+        return v
+    sfa, sfb = rand_sf(), rand_sf()
+
+    def sf_slice(sf):  # 1 KB slice of the reordered layout for k-blocks 0..7 of the chunk
+        out = np.zeros(1024, np.uint8)
+        for r in range(128):
+            for j in range(8):
+                out[(j // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + j % 4] = sf[r, j]
+        return out
+
+    stage = np.zeros(8192 * 2 + 2048, np.uint8)
+    for r in range(128):
+        for c in range(4):
+            stage[sw64(r, c):sw64(r, c) + 16] = a_bytes[r, 16 * c:16 * c + 16]
+            stage[8192 + sw64(r, c):8192 + sw64(r, c) + 16] = b_bytes[r, 16 * c:16 * c + 16]
+    stage[16384:17408] = sf_slice(sfa)
+    stage[17408:18432] = sf_slice(sfb)
+    u32 = lambda off: int(stage[off:off + 4].view(np.uint32)[0])
+
+    a16 = np.zeros(128 * 128 * 2, np.uint8)
+    blog = np.zeros((128, 128))
+    for wg in range(2):
+        for w in range(4):
+            for lane in range(32):
+                # ---- A side (mirror of transform): one row per transform thread
+                if wg == 0 and w < 2:
+                    for row in ([32 * w + lane, 64 + 32 * w + lane]):
+                        a_swz16 = ((row >> 1) & 3) * 16
+                        sfa_off = (row % 32) * 16 + ((row // 32) % 4) * 4
+                        words = [[u32(row * 64 + ((16 * qq) ^ a_swz16) + 4 * t) for t in range(4)] for qq in range(4)]
+                        sf = [u32(16384 + sfa_off + 512 * sub) for sub in range(2)]
+                        for t in range(4):
+                            conv = [fp4x8_to_f16x2x4(words[qq][t], scale_to_f16x2(
+                                sf[qq // 2], (4 << 12) | (4 << 4) | (2 * (qq % 2) + t // 2) * 0x101)) for qq in range(4)]
+                            for i in range(4):
+                                s_log = 2 * t + i // 2
+                                addr = row * 128 + (s_log // 4) * 16384 + ((((2 * s_log + i % 2) % 8) * 16) ^ ((row % 8) * 16))
+                                vec = np.array([conv[qq][i] for qq in range(4)], np.uint32)
+                                a16[addr:addr + 16] = vec.view(np.uint8)
+                # ---- B side
+                q = lane % 4
+                b_row = 64 * wg + 16 * w + lane // 4
+                b_off = b_row * 64 + 16 * (q ^ ((b_row >> 1) & 3))
+                sfb_off = (b_row // 128) * 1024 + (q // 2) * 512 + (b_row % 32) * 16 + ((b_row // 32) % 4) * 4
+                frag = [0] * 32
+                for ri in range(2):  # rows b_row and b_row + 8: +512 B of B, +128 B of SFB
+                    bw = [u32(8192 + b_off + 512 * ri + 4 * t) for t in range(4)]
+                    sfw = u32(17408 + sfb_off + 128 * ri)
+                    bsel = 2 * (q % 2)
+                    sc = [scale_to_f16x2(sfw, (4 << 12) | (4 << 4) | bsel * 0x101),
+                          scale_to_f16x2(sfw, (4 << 12) | (4 << 4) | (bsel + 1) * 0x101)]
+                    for t in range(4):
+                        o = fp4x8_to_f16x2x4(bw[t], sc[t // 2])
+                        for i in range(4):
+                            step, slot = 2 * t + i // 2, i % 2
+                            frag[4 * step + 2 * slot + ri] = o[i]
+                # frag -> logical (n, k) by the wgmma A thread/value layout ((4,8,4),(2,2,2))
+                for step in range(8):
+                    for j in range(4):
+                        v1, v2 = j % 2, j // 2
+                        vals = halves(frag[4 * step + j])
+                        for v0 in range(2):
+                            n = 64 * wg + 16 * w + lane // 4 + 8 * v1
+                            k = 16 * step + 2 * q + v0 + 8 * v2
+                            blog[n, k] = vals[v0]
+    # A buffer read through the SW128 K-major layout S<3,4,3> o ((8,16),(64,2)):((64,512),(1,8192)) (fp16)
+    alog = np.zeros((128, 128))
+    for m in range(128):
+        for k in range(128):
+            off = (k // 64) * 16384 + m * 128 + (k % 64) * 2
+            off ^= ((off >> 7) & 7) << 4
+            alog[m, k] = np.array([a16[off:off + 2].view(np.uint16)[0]], np.uint16).view(np.float16)[0]
+
+    def deq(bytes_, sf):
+        codes = np.stack([bytes_ & 0xF, bytes_ >> 4], -1).reshape(128, 128)
+        s = torch.from_numpy(sf.copy()).view(torch.float8_e4m3fn).to(torch.float64).numpy()
+        return E2M1[codes] * np.repeat(s, 16, axis=1)
+
+    want = deq(a_bytes, sfa) @ deq(b_bytes, sfb).T
+    got = (alog @ blog.T) * 2.0 ** 14
+    err = np.abs(got - want).max()
+    assert err == 0.0, err
+    print(f"chunk emulation (seed {seed}): exact, max |value| {np.abs(want).max():.1f}")
+
+
+def test_bit_tricks_exact_for_every_code():
+    check_bit_tricks()
+
+
+def test_chunk_k_permutation_matches_between_operands():
+    for seed in (0, 1):
+        check_chunk(seed)
