@@ -9,7 +9,8 @@ Two ways to run it:
 * By hand: `python eval.py [test|benchmark|leaderboard|profile] [FILE]` prints a readable table to stdout
   (per case mean ± error in µs, TFLOP/s, GB/s, % of the B200 speed of light where FILE gives it, and the
   geometric mean) and progress to stderr. FILE defaults to task.yml (its `tests` for test, its `benchmarks`
-  otherwise); the runner's one-case-per-line text format is read too.
+  otherwise); the runner's one-case-per-line text format is read too. `--variants persistent,seed` runs
+  the mode once per B200 kernel variant of the submission (its KERNEL_VARIANTS), one table each.
 
 `python eval.py compile [--arch sm_100a|sm_90a] [FILE]` needs no GPU: it builds the kernel for the group
 count of every case and prints, per case, OK or the error, registers and shared memory per CTA and the
@@ -701,6 +702,14 @@ def main(argv: list[str]) -> int:
         return compile_main(argv[1:])
     if fd:
         return popcorn_main(fd, argv)
+    variants = []
+    if "--variants" in argv:
+        at = argv.index("--variants")
+        if at + 1 >= len(argv):
+            print("eval.py: --variants needs a comma-separated list (submission.KERNEL_VARIANTS)", file=sys.stderr)
+            return 2
+        variants = [v for v in argv[at + 1].split(",") if v]
+        argv = argv[:at] + argv[at + 2:]
     mode = argv[0] if argv else "test"
     if mode in ("-h", "--help") or mode not in RUN_MODES:
         print(__doc__)
@@ -715,12 +724,20 @@ def main(argv: list[str]) -> int:
     if problem:
         print(f"eval.py: cannot run '{mode}': {problem}", file=sys.stderr)
         return 2
-    with make_pool() as pool:
-        if mode == "test":
-            return human_test(pool, tests)
-        if mode == "profile":
-            return human_profile(pool, tests)
-        return human_benchmark(pool, tests, recheck=(mode == "leaderboard"))
+    status = 0
+    for variant in variants or [None]:
+        if variant:
+            # The spawned worker imports the submission afresh and starts on this kernel variant.
+            os.environ["NVFP4_KERNEL_VARIANT"] = variant
+            print(f"== kernel variant {variant}", flush=True)
+        with make_pool() as pool:
+            if mode == "test":
+                status |= human_test(pool, tests)
+            elif mode == "profile":
+                status |= human_profile(pool, tests)
+            else:
+                status |= human_benchmark(pool, tests, recheck=(mode == "leaderboard"))
+    return status
 
 
 if __name__ == "__main__":

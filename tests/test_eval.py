@@ -215,3 +215,21 @@ def test_unsupported_gpu_is_said_once(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert err.count("compute capability 7.5") == 1 and "eval.py: cannot run 'test'" in err
+
+
+def test_variants_run_once_each(monkeypatch, capsys):
+    seen = []
+
+    def kernel(data):
+        import os
+        seen.append(os.environ.get("NVFP4_KERNEL_VARIANT"))
+        return reference.ref_kernel(data)
+
+    with _cpu_runner(monkeypatch, kernel):
+        monkeypatch.delenv("NVFP4_KERNEL_VARIANT", raising=False)
+        rc = ev.main(["test", str(ROOT / "task.yml"), "--variants", "persistent,seed"])
+    monkeypatch.delenv("NVFP4_KERNEL_VARIANT", raising=False)
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "== kernel variant persistent" in out and "== kernel variant seed" in out
+    assert seen[0] == "persistent" and seen[-1] == "seed" and len(seen) == 20
