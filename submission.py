@@ -687,6 +687,23 @@ class TensorMapSlot(enum.IntEnum):
     SFB = 3
 
 
+def sm100_s2t_copy_and_partition(sf_dtype, sSF, tCtSF):
+    """tcgen05.cp of one scale tensor from shared to tensor memory, and its source/destination views
+    (both Blackwell kernels)."""
+    copy_atom_s2t = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), sf_dtype)
+    # (MMA, MMA_MN, MMA_K, STAGE)
+    tCsSF_compact = cute.filter_zeros(sSF)
+    # (MMA, MMA_MN, MMA_K)
+    tCtSF_compact = cute.filter_zeros(tCtSF)
+    tiled_copy_s2t = tcgen05.make_s2t_copy(copy_atom_s2t, tCtSF_compact)
+    thr_copy_s2t = tiled_copy_s2t.get_slice(0)
+    # ((ATOM_V, REST_V), Rest_Tiler, MMA_MN, MMA_K, STAGE)
+    tCsSF_s2t = tcgen05.get_s2t_smem_desc_tensor(tiled_copy_s2t, thr_copy_s2t.partition_S(tCsSF_compact))
+    # ((ATOM_V, REST_V), Rest_Tiler, MMA_MN, MMA_K)
+    tCtSF_s2t = thr_copy_s2t.partition_D(tCtSF_compact)
+    return tiled_copy_s2t, tCsSF_s2t, tCtSF_s2t
+
+
 class Sm100BlockScaledGroupedGemmKernel:
     """NVFP4 grouped GEMM on tcgen05: C_g = (A_g * SFA_g) @ (B_g * SFB_g)^T, one CTA per 128x128 tile.
 
@@ -1086,19 +1103,7 @@ class Sm100BlockScaledGroupedGemmKernel:
                                      cute.group_modes(sX, 0, 3), cute.group_modes(tCgX, 0, 3))
 
     def _s2t_copy_and_partition(self, sSF, tCtSF):
-        """tcgen05.cp of one scale tensor from shared to tensor memory, and its source/destination views."""
-        copy_atom_s2t = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), self.config.sf_dtype)
-        # (MMA, MMA_MN, MMA_K, STAGE)
-        tCsSF_compact = cute.filter_zeros(sSF)
-        # (MMA, MMA_MN, MMA_K)
-        tCtSF_compact = cute.filter_zeros(tCtSF)
-        tiled_copy_s2t = tcgen05.make_s2t_copy(copy_atom_s2t, tCtSF_compact)
-        thr_copy_s2t = tiled_copy_s2t.get_slice(0)
-        # ((ATOM_V, REST_V), Rest_Tiler, MMA_MN, MMA_K, STAGE)
-        tCsSF_s2t = tcgen05.get_s2t_smem_desc_tensor(tiled_copy_s2t, thr_copy_s2t.partition_S(tCsSF_compact))
-        # ((ATOM_V, REST_V), Rest_Tiler, MMA_MN, MMA_K)
-        tCtSF_s2t = thr_copy_s2t.partition_D(tCtSF_compact)
-        return tiled_copy_s2t, tCsSF_s2t, tCtSF_s2t
+        return sm100_s2t_copy_and_partition(self.config.sf_dtype, sSF, tCtSF)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1695,19 +1700,7 @@ class Sm100PersistentGroupedGemmKernel:
     # Partition helpers
     # -----------------------------------------------------------------------------------------------------
     def _s2t_copy_and_partition(self, sSF, tCtSF):
-        """tcgen05.cp of one scale tensor from shared to tensor memory, and its source/destination views."""
-        copy_atom_s2t = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), self.config.sf_dtype)
-        # (MMA, MMA_MN, MMA_K, STAGE)
-        tCsSF_compact = cute.filter_zeros(sSF)
-        # (MMA, MMA_MN, MMA_K)
-        tCtSF_compact = cute.filter_zeros(tCtSF)
-        tiled_copy_s2t = tcgen05.make_s2t_copy(copy_atom_s2t, tCtSF_compact)
-        thr_copy_s2t = tiled_copy_s2t.get_slice(0)
-        # ((ATOM_V, REST_V), Rest_Tiler, MMA_MN, MMA_K, STAGE)
-        tCsSF_s2t = tcgen05.get_s2t_smem_desc_tensor(tiled_copy_s2t, thr_copy_s2t.partition_S(tCsSF_compact))
-        # ((ATOM_V, REST_V), Rest_Tiler, MMA_MN, MMA_K)
-        tCtSF_s2t = thr_copy_s2t.partition_D(tCtSF_compact)
-        return tiled_copy_s2t, tCsSF_s2t, tCtSF_s2t
+        return sm100_s2t_copy_and_partition(self.config.sf_dtype, sSF, tCtSF)
 
 
 class Sm100GroupTensormapKernel:
