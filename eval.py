@@ -591,6 +591,13 @@ except BaseException as err:
 result["seconds"] = round(time.time() - start, 2)
 if seen_smem and max(seen_smem) > 0:
     result["info"]["dynamic_smem_bytes"] = max(seen_smem)
+try:  # the submission's own account of its shared and tensor memory (B200 kernels), no build needed
+    if sys.argv[3].startswith("sm_10"):
+        planned = submission.kernel_resources(*sys.argv[4:])
+        result["info"]["planned_smem_bytes"] = planned.get("smem_bytes", planned.get("smem_bytes_min"))
+        result["info"]["tmem_cols"] = f"{planned.get('tmem_cols_used', '?')}/{planned.get('tmem_alloc_cols', '?')}"
+except Exception:
+    pass
 print("BUILD_RESULT " + json.dumps(result, default=str))
 """
 
@@ -675,17 +682,20 @@ def compile_main(argv: list[str]) -> int:
     for g in sorted({g for _, g in labels}):
         progress(f"building {args.arch}{' ' + args.variant if args.variant else ''} for {g} groups...")
         builds[g] = build_one(g, args.arch, cuobjdump, args.variant)
-    print("smem[B] is static + dynamic shared memory per CTA ('?' where the DSL does not report it at build time)")
-    print(f"{'case':<80} {'status':<6} {'regs':>4} {'smem[B]':>11} {'s':>5}  " + " ".join(f"{op:>7}" for op in SASS_OPS))
+    print("smem[B]: static + dynamic shared memory per CTA (dynamic as the DSL reports it at build time, else the "
+          "kernel's own plan, else '?'); tmem: tensor-memory columns used/allocated (B200)")
+    print(f"{'case':<72} {'status':<6} {'regs':>4} {'smem[B]':>11} {'tmem':>7} {'s':>5}  "
+          + " ".join(f"{op:>7}" for op in SASS_OPS))
     failed = False
     report = []
     for label, g in labels:
         result = builds[g]
         res, sass, info = result.get("resources", {}), result.get("sass", {}), result.get("info", {})
-        smem = f"{res.get('SHARED', '?')}+{info.get('dynamic_smem_bytes', '?')}"
+        smem = f"{res.get('SHARED', '?')}+{info.get('dynamic_smem_bytes', info.get('planned_smem_bytes', '?'))}"
         status = "OK" if result["ok"] else "ERROR"
         failed |= not result["ok"]
-        print(f"{label[:80]:<80} {status:<6} {res.get('REG', '?'):>4} {smem:>11} {result.get('seconds', '?'):>5}  "
+        print(f"{label[:72]:<72} {status:<6} {res.get('REG', '?'):>4} {smem:>11} {info.get('tmem_cols', '-'):>7} "
+              f"{result.get('seconds', '?'):>5}  "
               + " ".join(f"{sass.get(op, '?'):>7}" for op in SASS_OPS))
         if not result["ok"]:
             print(f"    {result['error']}")
