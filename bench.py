@@ -13,7 +13,6 @@ call over repeats. It prints µs, × of each baseline against the kernel, and th
 then the host time of one custom_kernel call on its own (CPU wall time per call, launches only).
 """
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -159,7 +158,7 @@ def main(argv=None) -> int:
     geo_line = f"{'geometric mean':<52}"
     for n in names:
         vals = geo[n]
-        geo_line += f"{math.exp(sum(map(math.log, vals)) / len(vals)):>16.1f}" if len(vals) == len(rows) else f"{'-':>16}"
+        geo_line += f"{ev.geomean(vals):>16.1f}" if len(vals) == len(rows) else f"{'-':>16}"
     print(geo_line)
     if args.plot:
         _plot(rows, args.plot, gpu)

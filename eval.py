@@ -482,6 +482,11 @@ def human_test(pool, tests: list[TestCase]) -> int:
     return 0 if failures == 0 else 1
 
 
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(x) for x in values) / len(values))
+
+
 def format_benchmark_table(rows: list[tuple[TestCase, Any]]) -> str:
     """rows of (case, Stats or error string) -> the table, with the geometric mean of the means."""
     lines = [f"{'case':<70} {'mean ± err [µs]':>18} {'TFLOP/s':>8} {'GB/s':>7} {'% SOL':>6}"]
@@ -497,9 +502,9 @@ def format_benchmark_table(rows: list[tuple[TestCase, Any]]) -> str:
         lines.append(f"{_short(case):<70} {mean_us:9.2f} ± {err_us:6.2f} {flops / mean_us / 1e6:8.1f} "
                      f"{bytes_ / mean_us / 1e3:7.0f} {sol}")
     if means and len(means) == len(rows):
-        geo = math.exp(sum(math.log(x) for x in means) / len(means))
+        geo = geomean(means)
         sols = [c.sol_us for c, _ in rows]
-        geo_sol = math.exp(sum(math.log(x) for x in sols) / len(sols)) if all(sols) else None
+        geo_sol = geomean(sols) if all(sols) else None
         lines.append(f"{'geometric mean':<70} {geo:9.2f} µs" +
                      (f"   (B200 speed of light {geo_sol:.2f} µs)" if geo_sol else ""))
     return "\n".join(lines)

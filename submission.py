@@ -122,13 +122,28 @@ SM100_DYNAMIC_SMEM_BUDGET = SM100_SMEM_CAPACITY - DSL_STATIC_SMEM_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
-class Sm100GemmConfig:
-    """Compile-time configuration of the seed kernel `Sm100BlockScaledGroupedGemmKernel`."""
+class Sm100TileConfig:
+    """What both Blackwell kernels' configurations have: the tcgen05 block-scaled tile and the dtypes."""
 
-    # One CTA-group tcgen05 MMA covers 128 rows; K = 256 is four 64-deep NVFP4 MMA instructions, which is
-    # one 128-byte swizzle row of fp4 per operand row.
+    # (M, N, K) of one CTA's output tile and K step. M = 128 is one 1-CTA tcgen05 MMA; K = 256 is four
+    # 64-deep NVFP4 instructions and one 128-byte swizzle row of fp4 per operand row.
     mma_tiler_mnk: tuple = (128, 128, 256)
     mma_inst_k: int = 64
+    sf_vec_size: int = 16
+    ab_dtype: type = cutlass.Float4E2M1FN
+    sf_dtype: type = cutlass.Float8E4M3FN
+    c_dtype: type = cutlass.Float16
+    acc_dtype: type = cutlass.Float32
+
+    @property
+    def tile_mn(self) -> tuple:
+        return self.mma_tiler_mnk[:2]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm100GemmConfig(Sm100TileConfig):
+    """Compile-time configuration of the seed kernel `Sm100BlockScaledGroupedGemmKernel`."""
+
     # NOTES: warp 0 both loads and multiplies, waiting on each load before its MMAs, so more stages would
     # buy nothing until loading and MMA get their own warps (they do in the persistent kernel).
     num_ab_stages: int = 1
@@ -139,11 +154,6 @@ class Sm100GemmConfig:
     # NOTES: the accumulator (128 fp32 columns) and both scale tensors would fit in 256 columns; the seed's
     # 512 (all of an SM's tensor memory) is kept in this reorganisation, so co-resident CTAs take turns.
     num_tmem_cols: int = 512
-    sf_vec_size: int = 16
-    ab_dtype: type = cutlass.Float4E2M1FN
-    sf_dtype: type = cutlass.Float8E4M3FN
-    c_dtype: type = cutlass.Float16
-    acc_dtype: type = cutlass.Float32
 
     def __post_init__(self):
         # The kernel is written and checked for exactly these values; anything else needs new work.
@@ -152,10 +162,6 @@ class Sm100GemmConfig:
         for name, value in supported.items():
             if getattr(self, name) != value:
                 raise ValueError(f"Sm100GemmConfig.{name}={getattr(self, name)!r}: only {value!r} is supported")
-
-    @property
-    def tile_mn(self) -> tuple:
-        return self.mma_tiler_mnk[:2]
 
     def resources(self) -> dict:
         rows, tile_k = self.tile_mn[0] + self.tile_mn[1], self.mma_tiler_mnk[2]
@@ -167,17 +173,13 @@ class Sm100GemmConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sm100PersistentConfig:
+class Sm100PersistentConfig(Sm100TileConfig):
     """Compile-time configuration of `Sm100PersistentGroupedGemmKernel` (everything baked in but G).
 
     The stage counts are derived here from the shared-memory budget, so the compile key (which holds
     this object) and `kernel_resources` see them without building anything.
     """
 
-    # (M, N, K) of one CTA's output tile and K step. M = 128 is one 1-CTA tcgen05 MMA; K = 256 is four
-    # 64-deep NVFP4 instructions and one 128-byte swizzle row of fp4 per operand row.
-    mma_tiler_mnk: tuple = (128, 128, 256)
-    mma_inst_k: int = 64
     # Two accumulators in tensor memory: the epilogue drains tile i while the MMA warp fills tile i + 1.
     # (N = 256 fits one: 2 x 256 columns leave none for the scales.)
     num_acc_stages: int = 2
@@ -192,11 +194,6 @@ class Sm100PersistentConfig:
     # True: each group's descriptors written once per input set by a preparation kernel, roles only
     # acquire them. False: CUTLASS's grouped example, each CTA patches its own copy on a group change.
     descriptors_up_front: bool = True
-    sf_vec_size: int = 16
-    ab_dtype: type = cutlass.Float4E2M1FN
-    sf_dtype: type = cutlass.Float8E4M3FN
-    c_dtype: type = cutlass.Float16
-    acc_dtype: type = cutlass.Float32
 
     def __post_init__(self):
         tile_m, tile_n, tile_k = self.mma_tiler_mnk
@@ -212,9 +209,9 @@ class Sm100PersistentConfig:
         if self.num_ab_stages < 2:
             raise ValueError("fewer than 2 A/B stages fit in shared memory")
 
-    @property
-    def tile_mn(self) -> tuple:
-        return self.mma_tiler_mnk[:2]
+    def workspace_rows(self, num_groups: int, num_ctas):
+        """Descriptor rows of the workspace: one per group, or one per CTA (descriptors_up_front=False)."""
+        return num_groups if self.descriptors_up_front else num_ctas
 
     @property
     def ab_stage_bytes(self) -> int:
@@ -687,6 +684,50 @@ class TensorMapSlot(enum.IntEnum):
     SFB = 3
 
 
+class Sm100LoadSetup:
+    """The block-scaled MMA, the staged shared-memory layouts of A, B, SFA, SFB and their TMA load atoms,
+    made on placeholder tensors (both Blackwell kernels; each group's descriptors get real addresses and
+    sizes later). The placeholder sizes are runtime values on purpose: static ones would make the TMA
+    coordinate tensors, which the kernels tile for every group, fixed-size ones."""
+
+    def __init__(self, tiled_mma, smem_layouts_staged, atoms, gmem_tensors, stage_bytes):
+        self.tiled_mma = tiled_mma
+        self.smem_layouts_staged = smem_layouts_staged  # (A, B, SFA, SFB), each (..., STAGE)
+        self.atoms = atoms  # TMA load atoms (A, B, SFA, SFB)
+        self.gmem_tensors = gmem_tensors  # their TMA coordinate tensors
+        self.stage_bytes = stage_bytes  # bytes one K step's four loads bring in
+
+    @staticmethod
+    def make(cfg, num_stages: int, placeholder) -> "Sm100LoadSetup":
+        tiler = cfg.mma_tiler_mnk
+        tiled_mma = cute.make_tiled_mma(
+            tcgen05.MmaMXF4NVF4Op(cfg.sf_dtype, (tiler[0], tiler[1], cfg.mma_inst_k),
+                                  tcgen05.CtaGroup.ONE, tcgen05.OperandSource.SMEM)
+        )
+        staged = (
+            sm100_utils.make_smem_layout_a(tiled_mma, tiler, cfg.ab_dtype, num_stages),
+            sm100_utils.make_smem_layout_b(tiled_mma, tiler, cfg.ab_dtype, num_stages),
+            blockscaled_utils.make_smem_layout_sfa(tiled_mma, tiler, cfg.sf_vec_size, num_stages),
+            blockscaled_utils.make_smem_layout_sfb(tiled_mma, tiler, cfg.sf_vec_size, num_stages),
+        )
+        a0, b0, sfa0, sfb0 = make_operand_tensors(
+            0, 0, 0, 0, placeholder, placeholder, placeholder, cfg.ab_dtype, cfg.sf_dtype, cfg.sf_vec_size)
+        cluster_shape = cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma.thr_id.shape,)).shape
+        load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        a_layout, b_layout, sfa_layout, sfb_layout = (cute.slice_(x, (None, None, None, 0)) for x in staged)
+        tma_atom_a, mA_mkl = cute.nvgpu.make_tiled_tma_atom_A(load_op, a0, a_layout, tiler, tiled_mma, cluster_shape)
+        tma_atom_b, mB_nkl = cute.nvgpu.make_tiled_tma_atom_B(load_op, b0, b_layout, tiler, tiled_mma, cluster_shape)
+        # Scales go through TMA as 16-bit elements, as in CUTLASS's block-scaled examples and the seed.
+        tma_atom_sfa, mSFA_mkl = cute.nvgpu.make_tiled_tma_atom_A(
+            load_op, sfa0, sfa_layout, tiler, tiled_mma, cluster_shape, internal_type=cutlass.Int16)
+        tma_atom_sfb, mSFB_nkl = cute.nvgpu.make_tiled_tma_atom_B(
+            load_op, sfb0, sfb_layout, tiler, tiled_mma, cluster_shape, internal_type=cutlass.Int16)
+        stage_bytes = (cute.size_in_bytes(cfg.ab_dtype, a_layout) + cute.size_in_bytes(cfg.ab_dtype, b_layout)
+                       + cute.size_in_bytes(cfg.sf_dtype, sfa_layout) + cute.size_in_bytes(cfg.sf_dtype, sfb_layout))
+        return Sm100LoadSetup(tiled_mma, staged, (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb),
+                              (mA_mkl, mB_nkl, mSFA_mkl, mSFB_nkl), stage_bytes)
+
+
 def sm100_s2t_copy_and_partition(sf_dtype, sSF, tCtSF):
     """tcgen05.cp of one scale tensor from shared to tensor memory, and its source/destination views
     (both Blackwell kernels)."""
@@ -757,47 +798,15 @@ class Sm100BlockScaledGroupedGemmKernel:
             cute.make_layout((num_tiles, self.num_tensormaps, words), stride=(self.num_tensormaps * words, words, 1)),
         )
 
-        tiled_mma = cute.make_tiled_mma(
-            tcgen05.MmaMXF4NVF4Op(cfg.sf_dtype, (self.tile_m, self.tile_n, cfg.mma_inst_k),
-                                  tcgen05.CtaGroup.ONE, tcgen05.OperandSource.SMEM)
-        )
-        a_smem_layout_staged = sm100_utils.make_smem_layout_a(tiled_mma, cfg.mma_tiler_mnk, cfg.ab_dtype,
-                                                              cfg.num_ab_stages)
-        b_smem_layout_staged = sm100_utils.make_smem_layout_b(tiled_mma, cfg.mma_tiler_mnk, cfg.ab_dtype,
-                                                              cfg.num_ab_stages)
-        sfa_smem_layout_staged = blockscaled_utils.make_smem_layout_sfa(tiled_mma, cfg.mma_tiler_mnk,
-                                                                        cfg.sf_vec_size, cfg.num_ab_stages)
-        sfb_smem_layout_staged = blockscaled_utils.make_smem_layout_sfb(tiled_mma, cfg.mma_tiler_mnk,
-                                                                        cfg.sf_vec_size, cfg.num_ab_stages)
-
         # The TMA atoms are made once on placeholder tensors; each CTA rewrites address and sizes in its
-        # own copy of the descriptors. The placeholder sizes are runtime values on purpose: static ones
-        # would make the TMA coordinate tensors, which the kernel tiles for every group, static 64x64 ones
-        # (the built kernel changes); runtime sizes keep their extents open.
-        placeholder = cutlass.Int32(64)
-        a0, b0, sfa0, sfb0 = make_operand_tensors(
-            0, 0, 0, 0, placeholder, placeholder, placeholder, cfg.ab_dtype, cfg.sf_dtype, cfg.sf_vec_size)
-        cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma.thr_id.shape,))
-        load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
-        a_smem_layout = cute.slice_(a_smem_layout_staged, (None, None, None, 0))
-        b_smem_layout = cute.slice_(b_smem_layout_staged, (None, None, None, 0))
-        sfa_smem_layout = cute.slice_(sfa_smem_layout_staged, (None, None, None, 0))
-        sfb_smem_layout = cute.slice_(sfb_smem_layout_staged, (None, None, None, 0))
-        tma_atom_a, mA_mkl = cute.nvgpu.make_tiled_tma_atom_A(
-            load_op, a0, a_smem_layout, cfg.mma_tiler_mnk, tiled_mma, cluster_layout_vmnk.shape)
-        tma_atom_b, mB_nkl = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, b0, b_smem_layout, cfg.mma_tiler_mnk, tiled_mma, cluster_layout_vmnk.shape)
-        # Scales go through TMA as 16-bit elements, as in CUTLASS's block-scaled examples and the seed.
-        tma_atom_sfa, mSFA_mkl = cute.nvgpu.make_tiled_tma_atom_A(
-            load_op, sfa0, sfa_smem_layout, cfg.mma_tiler_mnk, tiled_mma, cluster_layout_vmnk.shape,
-            internal_type=cutlass.Int16)
-        tma_atom_sfb, mSFB_nkl = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, sfb0, sfb_smem_layout, cfg.mma_tiler_mnk, tiled_mma, cluster_layout_vmnk.shape,
-            internal_type=cutlass.Int16)
-        num_tma_load_bytes = (
-            cute.size_in_bytes(cfg.ab_dtype, a_smem_layout) + cute.size_in_bytes(cfg.ab_dtype, b_smem_layout)
-            + cute.size_in_bytes(cfg.sf_dtype, sfa_smem_layout) + cute.size_in_bytes(cfg.sf_dtype, sfb_smem_layout)
-        ) * cute.size(tiled_mma.thr_id.shape)
+        # own copy of the descriptors.
+        loads = Sm100LoadSetup.make(cfg, cfg.num_ab_stages, cutlass.Int32(64))
+        tiled_mma = loads.tiled_mma
+        a_smem_layout_staged, b_smem_layout_staged, sfa_smem_layout_staged, sfb_smem_layout_staged = \
+            loads.smem_layouts_staged
+        tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb = loads.atoms
+        mA_mkl, mB_nkl, mSFA_mkl, mSFB_nkl = loads.gmem_tensors
+        num_tma_load_bytes = loads.stage_bytes * cute.size(tiled_mma.thr_id.shape)
 
         # No smem argument: the DSL sizes dynamic shared memory from the kernel's allocations.
         self.kernel(
@@ -1194,7 +1203,7 @@ class Sm100PersistentGroupedGemmKernel:
 
     @staticmethod
     def tensormap_workspace_bytes(config: Sm100PersistentConfig, num_groups: int, num_ctas: int) -> int:
-        rows = num_groups if config.descriptors_up_front else num_ctas
+        rows = config.workspace_rows(num_groups, num_ctas)
         return rows * Sm100PersistentGroupedGemmKernel.num_tensormaps * TENSORMAP_BYTES
 
     # -----------------------------------------------------------------------------------------------------
@@ -1203,50 +1212,26 @@ class Sm100PersistentGroupedGemmKernel:
     def _tma_setup(self) -> Sm100TmaSetup:
         """Called inside both jit host functions, so the prepared descriptors match the GEMM's atoms."""
         cfg = self.config
-        tiled_mma = cute.make_tiled_mma(
-            tcgen05.MmaMXF4NVF4Op(cfg.sf_dtype, (self.tile_m, self.tile_n, cfg.mma_inst_k),
-                                  tcgen05.CtaGroup.ONE, tcgen05.OperandSource.SMEM)
-        )
         tiler = cfg.mma_tiler_mnk
-        a_smem_layout_staged = sm100_utils.make_smem_layout_a(tiled_mma, tiler, cfg.ab_dtype, self.num_ab_stages)
-        b_smem_layout_staged = sm100_utils.make_smem_layout_b(tiled_mma, tiler, cfg.ab_dtype, self.num_ab_stages)
-        sfa_smem_layout_staged = blockscaled_utils.make_smem_layout_sfa(tiled_mma, tiler, cfg.sf_vec_size,
-                                                                        self.num_ab_stages)
-        sfb_smem_layout_staged = blockscaled_utils.make_smem_layout_sfb(tiled_mma, tiler, cfg.sf_vec_size,
-                                                                        self.num_ab_stages)
-        epi_tile = sm100_utils.compute_epilogue_tile_shape(tiler, False, LayoutEnum.ROW_MAJOR, cfg.c_dtype)
-        c_smem_layout_staged = sm100_utils.make_smem_layout_epi(cfg.c_dtype, LayoutEnum.ROW_MAJOR, epi_tile,
-                                                                self.num_c_stages)
-
         # Runtime placeholder sizes keep the coordinate tensors' extents open (static ones would bake a
         # fixed extent into every tile's coordinates); the descriptors get each group's real ones.
         placeholder = cutlass.Int32(128)
-        a0, b0, sfa0, sfb0 = make_operand_tensors(
-            0, 0, 0, 0, placeholder, placeholder, placeholder, cfg.ab_dtype, cfg.sf_dtype, cfg.sf_vec_size)
+        loads = Sm100LoadSetup.make(cfg, self.num_ab_stages, placeholder)
+        tiled_mma = loads.tiled_mma
+        a_smem_layout_staged, b_smem_layout_staged, sfa_smem_layout_staged, sfb_smem_layout_staged = \
+            loads.smem_layouts_staged
+        tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb = loads.atoms
+        mA_mkl, mB_nkl, mSFA_mkl, mSFB_nkl = loads.gmem_tensors
+        epi_tile = sm100_utils.compute_epilogue_tile_shape(tiler, False, LayoutEnum.ROW_MAJOR, cfg.c_dtype)
+        c_smem_layout_staged = sm100_utils.make_smem_layout_epi(cfg.c_dtype, LayoutEnum.ROW_MAJOR, epi_tile,
+                                                                self.num_c_stages)
         c0 = make_output_tensor(0, placeholder, placeholder, cfg.c_dtype)
-        cluster_layout_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma.thr_id.shape,))
-        load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
-        a_smem_layout = cute.slice_(a_smem_layout_staged, (None, None, None, 0))
-        b_smem_layout = cute.slice_(b_smem_layout_staged, (None, None, None, 0))
-        sfa_smem_layout = cute.slice_(sfa_smem_layout_staged, (None, None, None, 0))
-        sfb_smem_layout = cute.slice_(sfb_smem_layout_staged, (None, None, None, 0))
         c_smem_layout = cute.slice_(c_smem_layout_staged, (None, None, 0))
-        tma_atom_a, mA_mkl = cute.nvgpu.make_tiled_tma_atom_A(
-            load_op, a0, a_smem_layout, tiler, tiled_mma, cluster_layout_vmnk.shape)
-        tma_atom_b, mB_nkl = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, b0, b_smem_layout, tiler, tiled_mma, cluster_layout_vmnk.shape)
-        # Scales go through TMA as 16-bit elements, as in CUTLASS's block-scaled examples.
-        tma_atom_sfa, mSFA_mkl = cute.nvgpu.make_tiled_tma_atom_A(
-            load_op, sfa0, sfa_smem_layout, tiler, tiled_mma, cluster_layout_vmnk.shape, internal_type=cutlass.Int16)
-        tma_atom_sfb, mSFB_nkl = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, sfb0, sfb_smem_layout, tiler, tiled_mma, cluster_layout_vmnk.shape, internal_type=cutlass.Int16)
         tma_atom_c, mC_mnl = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c0, c_smem_layout,
                                                          epi_tile)
 
         # The config's byte counts (which set the stage counts) must be the DSL's.
-        ab_stage_bytes = (cute.size_in_bytes(cfg.ab_dtype, a_smem_layout) + cute.size_in_bytes(cfg.ab_dtype, b_smem_layout)
-                          + cute.size_in_bytes(cfg.sf_dtype, sfa_smem_layout)
-                          + cute.size_in_bytes(cfg.sf_dtype, sfb_smem_layout))
+        ab_stage_bytes = loads.stage_bytes
         c_stage_bytes = cute.size_in_bytes(cfg.c_dtype, c_smem_layout)
         if ab_stage_bytes != cfg.ab_stage_bytes or c_stage_bytes != cfg.c_stage_bytes:
             raise ValueError(f"stage bytes: DSL A/B/SF {ab_stage_bytes}, C {c_stage_bytes}; config "
@@ -1255,9 +1240,6 @@ class Sm100PersistentGroupedGemmKernel:
             tiled_mma, a_smem_layout_staged, b_smem_layout_staged, sfa_smem_layout_staged, sfb_smem_layout_staged,
             c_smem_layout_staged, epi_tile, (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, tma_atom_c),
             (mA_mkl, mB_nkl, mSFA_mkl, mSFB_nkl, mC_mnl), ab_stage_bytes)
-
-    def _workspace_rows(self, num_groups: int, num_ctas):
-        return num_groups if self.config.descriptors_up_front else num_ctas
 
     @staticmethod
     def _tables(ptr_table_ptr, size_table_ptr, tensormap_workspace_ptr, num_groups: int, num_rows):
@@ -1284,7 +1266,7 @@ class Sm100PersistentGroupedGemmKernel:
     ):
         cfg = self.config
         ptr_table, size_table, tensormaps = self._tables(ptr_table_ptr, size_table_ptr, tensormap_workspace_ptr,
-                                                         num_groups, self._workspace_rows(num_groups, num_ctas))
+                                                         num_groups, self.config.workspace_rows(num_groups, num_ctas))
         setup = self._tma_setup()
 
         @cute.struct
@@ -1892,13 +1874,6 @@ def named_barrier(barrier_id, num_threads: int, *, loc=None, ip=None):
 def ld_shared_u32(addr, *, loc=None, ip=None):
     r = _asm(T.i32(), [_i32(addr, loc, ip)], "ld.shared.b32 $0, [$1];", "=r,r,~{memory}", True, loc, ip)
     return cutlass.Uint32(r)
-
-
-@dsl_user_op
-def ld_shared_v2(addr, *, loc=None, ip=None):
-    r = _asm(llvm.StructType.get_literal([T.i32(), T.i32()]), [_i32(addr, loc, ip)],
-             "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r,~{memory}", True, loc, ip)
-    return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(2)]
 
 
 @dsl_user_op
