@@ -1,6 +1,6 @@
 """Times the submission against torch baselines on the benchmark shapes, in one run, with the runner's method.
 
-    python bench.py [FILE] [--repeats N] [--plot roofline.png] [--skip-slow]
+    python bench.py [FILE] [--repeats N] [--plot roofline.png] [--skip-slow] [--launch-paths P,Q]
 
 For every benchmark case of FILE (default task.yml) it times, each on the same 15 input sets:
   kernel         submission.custom_kernel(data)
@@ -11,6 +11,8 @@ Timing is the runner's: L2 flushed, CUDA events around 15 back-to-back calls on 
 call over repeats. It prints µs, × of each baseline against the kernel, and the two floors of this GPU
 (bf16 tensor-core time at the measured matrix rate, and the fp4 bytes at the measured copy bandwidth),
 then the host time of one custom_kernel call on its own (CPU wall time per call, launches only).
+With --launch-paths (names from submission.LAUNCH_PATHS) it also times the kernel and its host cost once per
+launch path, side by side, next to the host cost of one small torch kernel launch.
 """
 import argparse
 import statistics
@@ -88,17 +90,32 @@ def host_us_per_call(custom_kernel, inputs, calls: int = 300) -> float:
     return statistics.median(per_call)
 
 
+def torch_launch_us(calls: int = 3000) -> float:
+    """Host µs of launching one tiny torch kernel (an in-place add): the cost of any launch from Python."""
+    x = torch.zeros(1, device="cuda")
+    return host_us_per_call(lambda _: x.add_(1), [None] * 15, calls)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--plot", metavar="PNG", help="write a roofline plot of the four methods")
     parser.add_argument("--skip-slow", action="store_true", help="leave out dequant+mm (slowest baseline)")
+    parser.add_argument("--launch-paths", metavar="P,Q", help="also time these launch paths (submission.LAUNCH_PATHS)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.py: no usable CUDA GPU", file=sys.stderr)
         return 2
+    import submission
     from submission import custom_kernel
+
+    default_path = submission.LAUNCH_PATH
+    paths = args.launch_paths.split(",") if args.launch_paths else []
+    for path in paths:
+        submission.set_launch_path(path)  # unknown or unusable names fail here, before any timing
+    submission.set_launch_path(default_path)
+    by_path = []  # (case, {path: (kernel µs, host µs)})
 
     cases = ev.load_cases(args.cases, "benchmarks")
     rows = []
@@ -135,6 +152,16 @@ def main(argv=None) -> int:
         floors = {"bf16 floor": flops / H200_BF16_FLOPS * 1e6, "fp4-bytes floor": fp4_bytes / H200_BYTES_PER_S * 1e6}
         host = host_us_per_call(custom_kernel, inputs)
         rows.append((case, times, floors, host, flops, bytes_))
+        timed = {}
+        for path in paths:
+            submission.set_launch_path(path)
+            ok, msg = reference.check_implementation(inputs[0], custom_kernel(ev._clone_data(inputs[0])))
+            if not ok:
+                print(f"bench.py: launch path {path} is wrong on {ev._short(case)}: {msg}", file=sys.stderr)
+                return 1
+            timed[path] = (_time_per_call(custom_kernel, inputs, args.repeats), host_us_per_call(custom_kernel, inputs))
+        submission.set_launch_path(default_path)
+        by_path.append((case, timed))
         torch.cuda.empty_cache()
 
     gpu = torch.cuda.get_device_name()
@@ -160,6 +187,12 @@ def main(argv=None) -> int:
         vals = geo[n]
         geo_line += f"{ev.geomean(vals):>16.1f}" if len(vals) == len(rows) else f"{'-':>16}"
     print(geo_line)
+    if paths:
+        print(f"\nlaunch paths (default here: {default_path}); kernel µs per call / host µs per call; one small torch "
+              f"kernel launch costs {torch_launch_us():.1f} µs of host time")
+        print(f"{'case':<52}" + "".join(f"{p:>22}" for p in paths))
+        for case, timed in by_path:
+            print(f"{ev._short(case)[:52]:<52}" + "".join(f"{timed[p][0]:>13.1f} / {timed[p][1]:>5.1f}" for p in paths))
     if args.plot:
         _plot(rows, args.plot, gpu)
     return 0

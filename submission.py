@@ -55,11 +55,13 @@ How to use it:
                              shared memory, tensor-memory columns, stages and threads of a variant's kernel
 Builds with nvidia-cutlass-dsl 4.3.5 and 4.8.1.
 """
+import ctypes
 import dataclasses
 import enum
 import functools
 import importlib.metadata
 import os
+import warnings
 from collections import OrderedDict
 from operator import is_
 from typing import Callable, Optional
@@ -456,8 +458,8 @@ class LaunchMetadata:
     workspace: torch.Tensor  # TMA descriptors (seed: 4 per tile; persistent: 5 per group or per CTA)
     num_tiles: int
     num_ctas: int
-    launch_args: tuple  # what the compiled GEMM kernel is called with
-    table_args: tuple  # pointer table, size table, workspace: what a descriptor preparation kernel takes
+    launch_args: tuple  # plain ints the GEMM is launched with: the three table addresses, then its counts
+    table_args: tuple  # the three table addresses: what a descriptor preparation kernel is launched with
 
 
 # Bounded: the benchmark cycles through 15 input sets per shape; 64 covers that with room, and entries
@@ -2351,33 +2353,39 @@ def compile_key(num_groups: int, arch: str, config=None, part: str = "gemm") -> 
     """
     if config is None:
         config = variant_config(KERNEL_VARIANT)
-    return ("nvfp4_grouped_gemm", part, arch, DSL_VERSION, config, int(num_groups))
+    return ("nvfp4_grouped_gemm", part, arch, DSL_VERSION, config, int(num_groups), _launch_abi())
 
 
 _compiled_kernels: dict = {}
 
 
+def kernel_args(raw_args: tuple) -> tuple:
+    """The DSL arguments of a kernel from plain ints: pointer table, size table, descriptor workspace
+    (addresses; their dtype and alignment are part of the compiled signature), then Int32 counts."""
+    dtypes_aligns = ((cutlass.Int64, METADATA_ALIGN_BYTES), (cutlass.Int32, METADATA_ALIGN_BYTES),
+                     (cutlass.Int64, TENSORMAP_BYTES))
+    tables = tuple(gmem_ptr(dtype, address, align) for (dtype, align), address in zip(dtypes_aligns, raw_args))
+    return (*tables, *(cutlass.Int32(count) for count in raw_args[3:]))
+
+
 def _compile(key: tuple) -> Callable:
-    _, part, arch, _, config, num_groups = key
+    _, part, arch, _, config, num_groups, abi = key
+    options = {"options": "--enable-tvm-ffi"} if abi == "tvm_ffi" else {}
     # Placeholder addresses and counts: only the pointer types (dtype, alignment) and G are baked in.
-    tables = (
-        gmem_ptr(cutlass.Int64, 0, METADATA_ALIGN_BYTES),
-        gmem_ptr(cutlass.Int32, 0, METADATA_ALIGN_BYTES),
-        gmem_ptr(cutlass.Int64, 0, TENSORMAP_BYTES),
-    )
+    tables = kernel_args((0, 0, 0))
     if isinstance(config, Sm90GemmConfig) and arch.startswith("sm_90"):
         kernel = Sm90BlockScaledGroupedGemmKernel(num_groups, config)
-        return cute.compile(kernel, *tables, cutlass.Int32(1), cutlass.Int32(1))
+        return cute.compile(kernel, *kernel_args((0, 0, 0, 1, 1)), **options)
     if not (arch.startswith("sm_10") and not isinstance(config, Sm90GemmConfig)):
         raise UnsupportedDeviceError(f"no kernel for {arch} with {type(config).__name__}: kernels exist for "
                                      "sm_100a (Blackwell) and sm_90a (Hopper)")
     if isinstance(config, Sm100PersistentConfig):
         kernel = Sm100PersistentGroupedGemmKernel(config)
         if part == "tensormaps":
-            return cute.compile(Sm100GroupTensormapKernel(kernel), *tables, num_groups)
-        return cute.compile(kernel, *tables, cutlass.Int32(1), cutlass.Int32(1), num_groups)
+            return cute.compile(Sm100GroupTensormapKernel(kernel), *tables, num_groups, **options)
+        return cute.compile(kernel, *kernel_args((0, 0, 0, 1, 1)), num_groups, **options)
     kernel = Sm100BlockScaledGroupedGemmKernel(config)
-    return cute.compile(kernel, *tables, cutlass.Int32(1), num_groups)
+    return cute.compile(kernel, *kernel_args((0, 0, 0, 1)), num_groups, **options)
 
 
 def compiled_kernel(key: tuple) -> Callable:
@@ -2385,6 +2393,96 @@ def compiled_kernel(key: tuple) -> Callable:
     if fn is None:
         fn = _compiled_kernels[key] = _compile(key)
     return fn
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launch paths: how a compiled kernel is called, cheapest first
+# ---------------------------------------------------------------------------------------------------------
+def _tvm_ffi_importable() -> bool:
+    try:
+        importlib.import_module("tvm_ffi")  # the apache-tvm-ffi package
+    except ImportError:
+        return False
+    return True
+
+
+# "tvm_ffi": the kernel is compiled with the DSL's TVM-FFI entry (`--enable-tvm-ffi`) and called with plain
+#     ints through one C call (needs the apache-tvm-ffi package).
+# "prepacked": the DSL's ctypes entry, with the argument array packed once per prepared call; each launch
+#     is one ctypes call into the compiled host function.
+# "dsl": the DSL's documented call path (`generate_execution_args` once, `run_compiled_program` per call).
+# Default: "tvm_ffi" where the package imports, else "prepacked"; NVFP4_LAUNCH_PATH overrides it.
+LAUNCH_PATHS = ("tvm_ffi", "prepacked", "dsl")
+_LAUNCH_PATH_CHOSEN = bool(os.environ.get("NVFP4_LAUNCH_PATH"))  # by the user: never replaced
+LAUNCH_PATH = os.environ.get("NVFP4_LAUNCH_PATH") or ("tvm_ffi" if _tvm_ffi_importable() else "prepacked")
+if LAUNCH_PATH not in LAUNCH_PATHS:
+    raise ValueError(f"NVFP4_LAUNCH_PATH={LAUNCH_PATH!r}: choose one of {LAUNCH_PATHS}")
+
+
+def set_launch_path(name: str) -> None:
+    """Select how custom_kernel launches (one of LAUNCH_PATHS); kernels and prepared calls are cached per path."""
+    global LAUNCH_PATH
+    if name not in LAUNCH_PATHS:
+        raise ValueError(f"unknown launch path {name!r}; choose one of {LAUNCH_PATHS}")
+    if name == "tvm_ffi" and not _tvm_ffi_importable():
+        raise ValueError("launch path 'tvm_ffi' needs the apache-tvm-ffi package (import tvm_ffi failed)")
+    LAUNCH_PATH = name
+
+
+def compiled_gemm(num_groups: int, arch: str, config) -> Callable:
+    """The compiled GEMM for LAUNCH_PATH. When the default "tvm_ffi" path fails to build (an apache-tvm-ffi
+    the DSL cannot use), the process warns once and moves to "prepacked"; a path the user chose is kept
+    and its error raised."""
+    global LAUNCH_PATH
+    try:
+        return compiled_kernel(compile_key(num_groups, arch, config, "gemm"))
+    except Exception as error:
+        if LAUNCH_PATH != "tvm_ffi" or _LAUNCH_PATH_CHOSEN or not torch.cuda.is_available():
+            raise
+        warnings.warn(f"building the TVM-FFI launch failed ({type(error).__name__}: {error}); launching through "
+                      "the DSL's ctypes entry instead (NVFP4_LAUNCH_PATH=prepacked), which costs more host time "
+                      "per call", RuntimeWarning)
+        LAUNCH_PATH = "prepacked"
+        return compiled_kernel(compile_key(num_groups, arch, config, "gemm"))
+
+
+def _launch_abi() -> str:
+    """The compiled entry LAUNCH_PATH calls: "tvm_ffi" or the DSL's ctypes one."""
+    return "tvm_ffi" if LAUNCH_PATH == "tvm_ffi" else "ctypes"
+
+
+def make_launcher(kernel: Callable, raw_args: tuple) -> Callable[[], object]:
+    """A no-argument callable that launches `kernel` with `raw_args` (kernel_args' ints), by LAUNCH_PATH.
+
+    The kernel must have been compiled for _launch_abi(). With "prepacked" the DSL's executor (bound to the
+    current device, as the DSL's own call binds it) packs the C argument array once; the array points at
+    storage that the converted arguments own, so the closure keeps them alive.
+    """
+    if _launch_abi() == "tvm_ffi":
+        # 4.8 wraps the TVM-FFI function for keyword arguments; the positional function is underneath.
+        return functools.partial(getattr(kernel, "_tvm_ffi_function", None) or kernel, *raw_args)
+    args = kernel_args(raw_args)
+    exe_args, adapted_args = kernel.generate_execution_args(*args)
+    if LAUNCH_PATH == "dsl":
+        exe_args = tuple(exe_args)
+
+        def launch():
+            # 4.3 appends to the list it is given, so each launch gets its own.
+            return kernel.run_compiled_program(list(exe_args))
+    else:
+        executor = kernel.to(None)
+        # NOTES: the DSL's own packing (private; same name and meaning in 4.3 and 4.8): the argument
+        # addresses, then the CUDA-result slot and the kernel function handles. Copied: 4.8 reuses its buffer.
+        packed = executor._get_invoke_packed_args(list(exe_args))
+        packed = (ctypes.c_void_p * len(packed))(*packed)
+        capi, result = executor.jit_module.capi_func, executor.cuda_result
+
+        def launch():
+            capi(packed)
+            if result is not None and result.value:
+                raise RuntimeError(f"kernel launch failed with CUDA error {result.value}")
+    launch.keep_alive = (kernel, args, exe_args, adapted_args)
+    return launch
 
 
 def _target_arch(device: Optional[torch.device]) -> str:
@@ -2589,22 +2687,20 @@ def can_implement(data) -> tuple:
 def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata:
     ptr_table, size_table = pack_group_metadata(data, device)
     num_tiles = num_output_tiles(data[3], config.tile_mn)
-    tables = (gmem_ptr(cutlass.Int64, ptr_table.data_ptr(), METADATA_ALIGN_BYTES),
-              gmem_ptr(cutlass.Int32, size_table.data_ptr(), METADATA_ALIGN_BYTES))
     if isinstance(config, Sm90GemmConfig):
         num_ctas = min(num_tiles, _device_sm_count(device.index))
         workspace_bytes = num_ctas * Sm90BlockScaledGroupedGemmKernel.DESCS_PER_CTA * TENSORMAP_BYTES
-        counts = (cutlass.Int32(num_tiles), cutlass.Int32(num_ctas))
+        counts = (num_tiles, num_ctas)
     elif isinstance(config, Sm100PersistentConfig):
         num_ctas = min(num_tiles, _device_sm_count(device.index))
         workspace_bytes = Sm100PersistentGroupedGemmKernel.tensormap_workspace_bytes(config, len(data[3]), num_ctas)
-        counts = (cutlass.Int32(num_tiles), cutlass.Int32(num_ctas))
+        counts = (num_tiles, num_ctas)
     else:
         num_ctas = num_tiles
         workspace_bytes = Sm100BlockScaledGroupedGemmKernel.tensormap_workspace_bytes(num_tiles)
-        counts = (cutlass.Int32(num_tiles),)
+        counts = (num_tiles,)
     workspace = aligned_device_buffer(workspace_bytes, TENSORMAP_BYTES, device)
-    tables = (*tables, gmem_ptr(cutlass.Int64, workspace.data_ptr(), TENSORMAP_BYTES))
+    tables = (ptr_table.data_ptr(), size_table.data_ptr(), workspace.data_ptr())
     return LaunchMetadata(ptr_table, size_table, workspace, num_tiles, num_ctas, (*tables, *counts), tables)
 
 
@@ -2626,36 +2722,11 @@ def launch_metadata(data, device: torch.device, config=None) -> LaunchMetadata:
         if "tensormaps" in kernel_parts(config):
             # Queued ahead of every GEMM that will use this workspace; it completes before they start.
             prepare = compiled_kernel(compile_key(len(data[3]), _target_arch(device), config, "tensormaps"))
-            prepare(*metadata.table_args)
+            make_launcher(prepare, metadata.table_args)()
         return metadata
 
     key = (config, launch_metadata_key(data, config.tile_mn))
     return cached_launch_metadata(key, build)
-
-
-def make_launcher(kernel: Callable, args: tuple) -> Callable[[], object]:
-    """The cheapest launch this DSL offers for fixed arguments, as a no-argument callable.
-
-    `kernel(*args)` converts every argument to its C form on every call (a Python loop over the
-    signature, several µs). Both 4.3 and 4.8 split that call into `generate_execution_args` and
-    `run_compiled_program`: the conversion is done once here and each launch only packs and sends.
-    The converted values stay valid while `args` lives (pointer arguments hand out the address of their
-    own storage, integers a ctypes object that the list holds), so the closure keeps `args` too.
-    A DSL without that split gets the documented call.
-    """
-    try:
-        exe_args, adapted_args = kernel.generate_execution_args(*args)
-        run = kernel.run_compiled_program
-    except AttributeError:
-        return functools.partial(kernel, *args)
-    exe_args = tuple(exe_args)
-
-    def launch():
-        # 4.3 appends to the list it is given, so each launch gets its own.
-        return run(list(exe_args))
-
-    launch.keep_alive = (args, adapted_args)
-    return launch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2686,7 +2757,7 @@ def _prepared_call(data) -> Optional[_PreparedCall]:
     is checked. A tensor object whose storage is swapped in place (`.data =`, `set_`) after a first call
     is not detected; the task's harness never does that, and a new tensor always misses.
     """
-    entry = _prepared_calls.get((KERNEL_VARIANT, id(data)))
+    entry = _prepared_calls.get((KERNEL_VARIANT, LAUNCH_PATH, id(data)))
     if entry is None or type(data) is not tuple or len(data) != 4:
         return None
     abc, sfr, sizes = entry.lists
@@ -2706,9 +2777,9 @@ def _prepare_call(data) -> _PreparedCall:
     abc, _, sfr, sizes = data
     device = abc[0][0].device
     _check_device(device)
-    variant = KERNEL_VARIANT
     config = kernel_config(data, device)
-    kernel = compiled_kernel(compile_key(len(sizes), _target_arch(device), config, "gemm"))
+    kernel = compiled_gemm(len(sizes), _target_arch(device), config)
+    variant, launch_path = KERNEL_VARIANT, LAUNCH_PATH
     metadata = launch_metadata(data, device, config)
     entry = _PreparedCall(lists=(abc, sfr, sizes), items=(tuple(abc), tuple(sfr), tuple(sizes)),
                           launch=make_launcher(kernel, metadata.launch_args), metadata=metadata,
@@ -2717,7 +2788,7 @@ def _prepare_call(data) -> _PreparedCall:
     if type(data) is tuple and all(type(x) is tuple for part in entry.items for x in part):
         if len(_prepared_calls) >= PREPARED_CALL_CACHE_SIZE:
             del _prepared_calls[next(iter(_prepared_calls))]
-        _prepared_calls[(variant, id(data))] = entry
+        _prepared_calls[(variant, launch_path, id(data))] = entry
     return entry
 
 
