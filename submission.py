@@ -141,6 +141,13 @@ class Sm100TileConfig:
     def tile_mn(self) -> tuple:
         return self.mma_tiler_mnk[:2]
 
+    @property
+    def mma_tiler_sfb(self) -> tuple:
+        """The tile SFB is loaded with: N rounded up to whole 128-row scale blocks (tcgen05 reads the scales
+        of 128 rows of B at a time; an N = 64 tile uses half of a block, CUTLASS's dense example's scheme)."""
+        tile_m, tile_n, tile_k = self.mma_tiler_mnk
+        return (tile_m, ceil_div(tile_n, 128) * 128, tile_k)
+
 
 @dataclasses.dataclass(frozen=True)
 class Sm100GemmConfig(Sm100TileConfig):
@@ -199,13 +206,13 @@ class Sm100PersistentConfig(Sm100TileConfig):
 
     def __post_init__(self):
         tile_m, tile_n, tile_k = self.mma_tiler_mnk
-        # NOTES: only the 1-CTA, M = 128 MMA is written, with N = 128 or 256 (whole 128-row scale blocks
-        # of B); N = 64 needs the SFB column shift of CUTLASS's dense block-scaled example: see
-        # docs/B200_DESIGN.md.
-        if (tile_m != 128 or tile_n not in (128, 256) or tile_k != 256 or self.mma_inst_k != 64
+        # NOTES: only the 1-CTA, M = 128 MMA is written, with N = 64, 128 or 256. N = 64 reads half of a
+        # 128-row SFB block: the MMA's SFB address moves by two columns on odd N tiles (CUTLASS's dense
+        # block-scaled example's scheme).
+        if (tile_m != 128 or tile_n not in (64, 128, 256) or tile_k != 256 or self.mma_inst_k != 64
                 or self.sf_vec_size != 16):
             raise ValueError(f"Sm100PersistentConfig: tile {self.mma_tiler_mnk} / inst_k {self.mma_inst_k} / "
-                             f"sf_vec {self.sf_vec_size}: only (128, 128 or 256, 256) / 64 / 16 is built and checked")
+                             f"sf_vec {self.sf_vec_size}: only (128, 64|128|256, 256) / 64 / 16 is built and checked")
         if self.tmem_cols_used > SM100_TMEM_COLUMNS:
             raise ValueError(f"{self.tmem_cols_used} tensor-memory columns needed, {SM100_TMEM_COLUMNS} exist")
         if self.num_ab_stages < 2:
@@ -283,20 +290,34 @@ class Sm100Warp(enum.IntEnum):
 
 SM100_CONFIG = Sm100GemmConfig()
 
+# Blackwell tile table: the rows custom_kernel chooses from per problem (choose_sm100_config) when
+# KERNEL_VARIANT is "persistent". All are 1-CTA 128-row MMAs; N = 256 leaves tensor memory for one
+# accumulator only.
+SM100_TILE_N64 = Sm100PersistentConfig(mma_tiler_mnk=(128, 64, 256))
+SM100_TILE_N128 = Sm100PersistentConfig(mma_tiler_mnk=(128, 128, 256))
+SM100_TILE_N256 = Sm100PersistentConfig(mma_tiler_mnk=(128, 256, 256), num_acc_stages=1)
+SM100_TILE_TABLE = (SM100_TILE_N128, SM100_TILE_N64, SM100_TILE_N256)  # the first is the default row
+
 # The kernel custom_kernel runs, from the newest design to the seed's proven structure (a ladder to walk
 # down on a B200 if a step fails): change KERNEL_VARIANT here, or call set_variant() at run time; every
 # variant's compiled kernels and launch metadata stay cached side by side.
-#   "persistent"          persistent, warp-specialized; descriptors prepared once per group up front
-#   "persistent_per_cta"  the same kernel, descriptors patched per CTA on a group change (CUTLASS example)
+#   "persistent"          persistent, warp-specialized; descriptors prepared once per group up front; the
+#                         tile chosen per problem from SM100_TILE_TABLE (its config here: the default row,
+#                         what compile_for builds)
+#   "persistent_n64", "persistent_n128", "persistent_n256"
+#                         the same kernel with one tile-table row forced
+#   "persistent_per_cta"  128x128 tiles, descriptors patched per CTA on a group change (CUTLASS example)
 #   "seed"                one CTA per 128x128 tile, one stage, SIMT epilogue (the leaderboard seed)
-# and, to be measured against "persistent" (docs/B200_DESIGN.md, tile table):
-#   "persistent_n256"     128x256 tiles, one accumulator stage
 VARIANT_CONFIGS = {
-    "persistent": Sm100PersistentConfig(descriptors_up_front=True),
+    "persistent": SM100_TILE_N128,
+    "persistent_n64": SM100_TILE_N64,
+    "persistent_n128": SM100_TILE_N128,
+    "persistent_n256": SM100_TILE_N256,
     "persistent_per_cta": Sm100PersistentConfig(descriptors_up_front=False),
     "seed": SM100_CONFIG,
-    "persistent_n256": Sm100PersistentConfig(mma_tiler_mnk=(128, 256, 256), num_acc_stages=1),
 }
+# Variants whose tile comes from the table per problem.
+TILE_TABLE_VARIANTS = frozenset({"persistent"})
 KERNEL_VARIANTS = tuple(VARIANT_CONFIGS)
 # A fresh interpreter (eval.py's spawned workers) can start on another variant through the environment;
 # the leaderboard runner never sets it.
@@ -353,6 +374,55 @@ def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
     rounds_small = ceil_div(num_output_tiles(problem_sizes, small.tile_mn), num_sms)
     rounds_large = ceil_div(num_output_tiles(problem_sizes, large.tile_mn), num_sms)
     return large if rounds_large * SM90_TILE256_COST < rounds_small else small
+
+
+# B200 model behind the tile table (docs/B200_DESIGN.md, section 4; unverified until measured on a B200).
+SM100_CLOCK_HZ = 1.5e9
+SM100_MMA_CYCLES_PER_N = 2  # a 128 x N x 256 NVFP4 K step at 32768 dense FP4 FLOP per clock per SM
+SM100_SM_FEED_BYTES_PER_CYCLE = 200e9 / SM100_CLOCK_HZ  # assumed L2 -> one SM's shared memory rate
+SM100_DRAM_BYTES_PER_S = 7.7e12  # what task.yml's speeds of light imply
+SM100_FIXED_US = 1.5  # per launch: barrier init, tensor-memory allocation, first loads, last epilogue
+# A row other than the default must beat it by this much in the model to be chosen.
+SM100_TILE_MARGIN = 0.05
+
+
+def sm100_k_step_cycles(config: Sm100TileConfig) -> float:
+    """Cycles of one 256-deep K step of one tile: the MMA or the feed of its A/B/SFA/SFB bytes."""
+    tile_m, tile_n, _ = config.mma_tiler_mnk
+    return max(SM100_MMA_CYCLES_PER_N * tile_n, config.ab_stage_bytes / SM100_SM_FEED_BYTES_PER_CYCLE)
+
+
+def sm100_predicted_us(problem_sizes, config: Sm100TileConfig, num_sms: int) -> float:
+    """Modelled GPU time (µs) of the persistent kernel: the busiest CTA of the static round-robin (tiles b,
+    b + grid, ...), or the DRAM traffic of the whole problem if that takes longer, plus SM100_FIXED_US."""
+    step_us = sm100_k_step_cycles(config) / SM100_CLOCK_HZ * 1e6
+    tile_m, tile_n, tile_k = config.mma_tiler_mnk
+    costs = []
+    for m, n, k, _ in problem_sizes:
+        costs += [ceil_div(k, tile_k) * step_us] * (ceil_div(m, tile_m) * ceil_div(n, tile_n))
+    grid = min(len(costs), num_sms)
+    busiest = max(sum(costs[cta::grid]) for cta in range(grid))
+    dram_bytes = sum((m + n) * k // 2 + (m + n) * k // config.sf_vec_size + 2 * m * n for m, n, k, _ in problem_sizes)
+    return max(busiest, dram_bytes / SM100_DRAM_BYTES_PER_S * 1e6) + SM100_FIXED_US
+
+
+def choose_sm100_config(problem_sizes, num_sms: int) -> Sm100PersistentConfig:
+    """The tile-table row the model predicts fastest; the default row unless another beats it by
+    SM100_TILE_MARGIN. N = 256 is a candidate only when every N is a multiple of 256."""
+    return _choose_sm100_config(tuple(tuple(size) for size in problem_sizes), num_sms)
+
+
+@functools.lru_cache(maxsize=256)
+def _choose_sm100_config(problem_sizes: tuple, num_sms: int) -> Sm100PersistentConfig:
+    default = SM100_TILE_TABLE[0]
+    best, best_us = default, sm100_predicted_us(problem_sizes, default, num_sms) * (1 - SM100_TILE_MARGIN)
+    for row in SM100_TILE_TABLE[1:]:
+        if any(n % row.tile_mn[1] for _, n, _, _ in problem_sizes):
+            continue
+        row_us = sm100_predicted_us(problem_sizes, row, num_sms)
+        if row_us < best_us:
+            best, best_us = row, row_us
+    return best
 
 
 def variant_config(variant: str):
@@ -692,8 +762,9 @@ class Sm100LoadSetup:
     sizes later). The placeholder sizes are runtime values on purpose: static ones would make the TMA
     coordinate tensors, which the kernels tile for every group, fixed-size ones."""
 
-    def __init__(self, tiled_mma, smem_layouts_staged, atoms, gmem_tensors, stage_bytes):
+    def __init__(self, tiled_mma, tiled_mma_sfb, smem_layouts_staged, atoms, gmem_tensors, stage_bytes):
         self.tiled_mma = tiled_mma
+        self.tiled_mma_sfb = tiled_mma_sfb  # the MMA shape SFB is tiled and loaded with (N rounded up to 128)
         self.smem_layouts_staged = smem_layouts_staged  # (A, B, SFA, SFB), each (..., STAGE)
         self.atoms = atoms  # TMA load atoms (A, B, SFA, SFB)
         self.gmem_tensors = gmem_tensors  # their TMA coordinate tensors
@@ -702,10 +773,13 @@ class Sm100LoadSetup:
     @staticmethod
     def make(cfg, num_stages: int, placeholder) -> "Sm100LoadSetup":
         tiler = cfg.mma_tiler_mnk
-        tiled_mma = cute.make_tiled_mma(
-            tcgen05.MmaMXF4NVF4Op(cfg.sf_dtype, (tiler[0], tiler[1], cfg.mma_inst_k),
-                                  tcgen05.CtaGroup.ONE, tcgen05.OperandSource.SMEM)
-        )
+
+        def block_scaled_mma(tile):
+            return cute.make_tiled_mma(tcgen05.MmaMXF4NVF4Op(cfg.sf_dtype, (tile[0], tile[1], cfg.mma_inst_k),
+                                                             tcgen05.CtaGroup.ONE, tcgen05.OperandSource.SMEM))
+
+        tiled_mma = block_scaled_mma(tiler)
+        tiled_mma_sfb = tiled_mma if cfg.mma_tiler_sfb == tiler else block_scaled_mma(cfg.mma_tiler_sfb)
         staged = (
             sm100_utils.make_smem_layout_a(tiled_mma, tiler, cfg.ab_dtype, num_stages),
             sm100_utils.make_smem_layout_b(tiled_mma, tiler, cfg.ab_dtype, num_stages),
@@ -722,11 +796,12 @@ class Sm100LoadSetup:
         # Scales go through TMA as 16-bit elements, as in CUTLASS's block-scaled examples and the seed.
         tma_atom_sfa, mSFA_mkl = cute.nvgpu.make_tiled_tma_atom_A(
             load_op, sfa0, sfa_layout, tiler, tiled_mma, cluster_shape, internal_type=cutlass.Int16)
+        # (The SFB shared-memory layout above already rounds N up to 128 rows.)
         tma_atom_sfb, mSFB_nkl = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, sfb0, sfb_layout, tiler, tiled_mma, cluster_shape, internal_type=cutlass.Int16)
+            load_op, sfb0, sfb_layout, cfg.mma_tiler_sfb, tiled_mma_sfb, cluster_shape, internal_type=cutlass.Int16)
         stage_bytes = (cute.size_in_bytes(cfg.ab_dtype, a_layout) + cute.size_in_bytes(cfg.ab_dtype, b_layout)
                        + cute.size_in_bytes(cfg.sf_dtype, sfa_layout) + cute.size_in_bytes(cfg.sf_dtype, sfb_layout))
-        return Sm100LoadSetup(tiled_mma, staged, (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb),
+        return Sm100LoadSetup(tiled_mma, tiled_mma_sfb, staged, (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb),
                               (mA_mkl, mB_nkl, mSFA_mkl, mSFB_nkl), stage_bytes)
 
 
@@ -1146,6 +1221,7 @@ class Sm100TmaSetup:
     layouts, and TMA atoms made on placeholder tensors (whose descriptors get rewritten per group)."""
 
     tiled_mma: object
+    tiled_mma_sfb: object  # SFB's MMA shape (N rounded up to 128); the same object when N is a multiple of 128
     a_smem_layout_staged: object
     b_smem_layout_staged: object
     sfa_smem_layout_staged: object
@@ -1239,7 +1315,7 @@ class Sm100PersistentGroupedGemmKernel:
             raise ValueError(f"stage bytes: DSL A/B/SF {ab_stage_bytes}, C {c_stage_bytes}; config "
                              f"{cfg.ab_stage_bytes}, {cfg.c_stage_bytes}")
         return Sm100TmaSetup(
-            tiled_mma, a_smem_layout_staged, b_smem_layout_staged, sfa_smem_layout_staged, sfb_smem_layout_staged,
+            tiled_mma, loads.tiled_mma_sfb, a_smem_layout_staged, b_smem_layout_staged, sfa_smem_layout_staged, sfb_smem_layout_staged,
             c_smem_layout_staged, epi_tile, (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, tma_atom_c),
             (mA_mkl, mB_nkl, mSFA_mkl, mSFB_nkl, mC_mnl), ab_stage_bytes)
 
@@ -1299,7 +1375,7 @@ class Sm100PersistentGroupedGemmKernel:
 
         # No smem argument: the DSL sizes dynamic shared memory from the kernel's allocation.
         self.kernel(
-            setup.tiled_mma, *setup.tma_atoms, *setup.tma_tensors,
+            setup.tiled_mma, setup.tiled_mma_sfb, *setup.tma_atoms, *setup.tma_tensors,
             ptr_table, size_table, tensormaps, num_tiles,
             setup.a_smem_layout_staged, setup.b_smem_layout_staged, setup.sfa_smem_layout_staged,
             setup.sfb_smem_layout_staged, setup.c_smem_layout_staged, setup.epi_tile, setup.ab_stage_bytes,
@@ -1312,6 +1388,7 @@ class Sm100PersistentGroupedGemmKernel:
     def kernel(
         self,
         tiled_mma: cute.TiledMma,
+        tiled_mma_sfb: cute.TiledMma,
         tma_atom_a: cute.CopyAtom,
         tma_atom_b: cute.CopyAtom,
         tma_atom_sfa: cute.CopyAtom,
@@ -1391,8 +1468,8 @@ class Sm100PersistentGroupedGemmKernel:
         gB_nkl = cute.local_tile(mB_nkl, cute.slice_(cfg.mma_tiler_mnk, (0, None, None)), (None, None, None))
         # (bM, bK, RestM, RestK, RestL)
         gSFA_mkl = cute.local_tile(mSFA_mkl, cute.slice_(cfg.mma_tiler_mnk, (None, 0, None)), (None, None, None))
-        # (bN, bK, RestN, RestK, RestL)
-        gSFB_nkl = cute.local_tile(mSFB_nkl, cute.slice_(cfg.mma_tiler_mnk, (0, None, None)), (None, None, None))
+        # (bN_sfb, bK, RestN_sfb, RestK, RestL): whole 128-row scale blocks, also for N = 64 tiles
+        gSFB_nkl = cute.local_tile(mSFB_nkl, cute.slice_(cfg.mma_tiler_sfb, (0, None, None)), (None, None, None))
         # (bM, bN, RestM, RestN, RestL)
         gC_mnl = cute.local_tile(mC_mnl, cute.slice_(cfg.mma_tiler_mnk, (None, None, 0)), (None, None, None))
         # A one-CTA MMA has a single MMA "thread": the whole CTA.
@@ -1403,8 +1480,8 @@ class Sm100PersistentGroupedGemmKernel:
         tCgB = thr_mma.partition_B(gB_nkl)
         # (MMA, MMA_M, MMA_K, RestM, RestK, RestL)
         tCgSFA = thr_mma.partition_A(gSFA_mkl)
-        # (MMA, MMA_N, MMA_K, RestN, RestK, RestL)
-        tCgSFB = thr_mma.partition_B(gSFB_nkl)
+        # (MMA, MMA_N_sfb, MMA_K, RestN_sfb, RestK, RestL)
+        tCgSFB = tiled_mma_sfb.get_slice(0).partition_B(gSFB_nkl)
         # (MMA, MMA_M, MMA_N, RestM, RestN, RestL)
         tCgC = thr_mma.partition_C(gC_mnl)
 
@@ -1481,11 +1558,15 @@ class Sm100PersistentGroupedGemmKernel:
                     descriptors.patch(group_tensors, tma_atoms, LOAD_SLOTS, tma_warp)
             k_tile_cnt = (k + (self.tile_k - 1)) // self.tile_k
             # ((atom_v, rest_v), RestK)
+            # An N = 64 tile's scales are half of the 128-row SFB block its pair of tiles shares.
+            sfb_block_idx = tile_n_idx
+            if cutlass.const_expr(cfg.mma_tiler_sfb[1] != self.tile_n):
+                sfb_block_idx = tile_n_idx // (cfg.mma_tiler_sfb[1] // self.tile_n)
             tile_gmem = (
                 tma_gmem[0][(None, tile_m_idx, None, 0)],
                 tma_gmem[1][(None, tile_n_idx, None, 0)],
                 tma_gmem[2][(None, tile_m_idx, None, 0)],
-                tma_gmem[3][(None, tile_n_idx, None, 0)],
+                tma_gmem[3][(None, sfb_block_idx, None, 0)],
             )
             producer_state.reset_count()
             empty_ready = cutlass.Boolean(True)
@@ -1536,6 +1617,10 @@ class Sm100PersistentGroupedGemmKernel:
         tiled_copy_s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self._s2t_copy_and_partition(sSFA, tCtSFA)
         tiled_copy_s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self._s2t_copy_and_partition(sSFB, tCtSFB)
         num_kblocks = cute.size(tCrA, mode=[2])
+        # N = 64: tensor memory holds the scales of the whole 128-row block (tcgen05.cp copies blocks); the
+        # MMA of an odd N tile starts two columns in, at its 64 rows (CUTLASS's dense block-scaled scheme).
+        half_block_sfb = cfg.mma_tiler_sfb[1] != self.tile_n
+        sfb_cols_per_half_block = 2
 
         ab_consumer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_ab_stages)
         acc_producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_acc_stages)
@@ -1547,6 +1632,14 @@ class Sm100PersistentGroupedGemmKernel:
             k_tile_cnt = (k + (self.tile_k - 1)) // self.tile_k
             # (MMA, MMA_M, MMA_N)
             tCtAcc = tCtAcc_base[(None, None, None, acc_producer_state.index)]
+            # (MMA, MMA_N, MMA_K): the scales this tile's MMAs read
+            tCtSFB_mma = tCtSFB
+            if cutlass.const_expr(half_block_sfb):
+                _, tile_n_idx = scheduler.tile_coord(tile_idx, group_first, size_table[group, int(SizeColumn.M)])
+                tCtSFB_mma = cute.make_tensor(
+                    cute.recast_ptr(acc_tmem_ptr + acc_cols + tcgen05.find_tmem_tensor_col_offset(tCtSFA)
+                                    + (tile_n_idx % 2) * sfb_cols_per_half_block, dtype=cfg.sf_dtype),
+                    tCtSFB.layout)
 
             ab_consumer_state.reset_count()
             full_ready = cutlass.Boolean(True)
@@ -1566,7 +1659,7 @@ class Sm100PersistentGroupedGemmKernel:
                 # tCtAcc += tCrA * tCtSFA * tCrB * tCtSFB, one 64-deep instruction per k-block
                 for kblock_idx in cutlass.range(num_kblocks, unroll_full=True):
                     tiled_mma.set(tcgen05.Field.SFA, tCtSFA[(None, None, kblock_idx)].iterator)
-                    tiled_mma.set(tcgen05.Field.SFB, tCtSFB[(None, None, kblock_idx)].iterator)
+                    tiled_mma.set(tcgen05.Field.SFB, tCtSFB_mma[(None, None, kblock_idx)].iterator)
                     kblock = (None, None, kblock_idx, ab_consumer_state.index)
                     cute.gemm(tiled_mma, tCtAcc, tCrA[kblock], tCrB[kblock], tCtAcc)
                     tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
@@ -2706,9 +2799,12 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
 
 def kernel_config(data, device: torch.device):
     """The kernel configuration custom_kernel runs for this input on this device: on Hopper the tile
-    variant that suits the problem sizes, on Blackwell KERNEL_VARIANT's."""
+    variant that suits the problem sizes; on Blackwell the tile-table row that suits them (KERNEL_VARIANT
+    "persistent") or KERNEL_VARIANT's fixed config."""
     if _target_arch(device).startswith("sm_90"):
         return choose_sm90_config(data[3], _device_sm_count(device.index))
+    if KERNEL_VARIANT in TILE_TABLE_VARIANTS:
+        return choose_sm100_config(data[3], _device_sm_count(device.index))
     return variant_config(KERNEL_VARIANT)
 
 

@@ -26,7 +26,7 @@ def _compile(tmp_path, arch, extra=()):
     return proc, json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("variant", ["persistent", "persistent_per_cta", "seed", "persistent_n256"])
+@pytest.mark.parametrize("variant", ["persistent", "persistent_per_cta", "seed", "persistent_n64", "persistent_n256"])
 def test_sm100a_builds_for_every_task_group_count(tmp_path, variant):
     task = load_task_yml()
     extra = ("--groups", "1", "16", "64") if variant == "persistent" else ()

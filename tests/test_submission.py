@@ -180,3 +180,73 @@ def test_metadata_key_covers_every_pointer():
         t = data[slot][1][index]
         assert submission.launch_metadata_key(_replace(data, 1, slot, index, t.clone())) != key, (slot, index)
     assert submission.launch_metadata_key(data) == key  # deterministic
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Blackwell tile table (choose_sm100_config): the model's choice per problem, checked on the task's shapes
+# ---------------------------------------------------------------------------------------------------------
+def _sizes(case):
+    return [(m, n, k, 1) for m, n, k in zip(case["m"], case["n"], case["k"])]
+
+
+def test_tile_table_rows_fit_an_sm():
+    for row in submission.SM100_TILE_TABLE:
+        assert row.smem_bytes <= submission.SM100_DYNAMIC_SMEM_BUDGET
+        assert row.tmem_cols_used <= row.tmem_alloc_cols <= 512
+        assert row.num_ab_stages >= 2 and row.num_c_stages >= 2
+    assert {row.tile_mn[1] for row in submission.SM100_TILE_TABLE} == {64, 128, 256}
+
+
+def test_tile_table_keeps_128_on_the_benchmarks():
+    # The benchmarks have 120-728 tiles of 128x128 for 148 SMs: halving N doubles the rounds of B2/B3,
+    # N = 256 halves the CTAs busy on them; B0/B1 are DRAM-bound in the model.
+    from conftest import load_task_yml
+    for case in load_task_yml()["benchmarks"]:
+        assert submission.choose_sm100_config(_sizes(case), 148).tile_mn == (128, 128), case
+
+
+def test_tile_table_narrows_n_when_tiles_are_few():
+    # 32 tiles of 128x128 on 148 SMs: 64 of 128x64 still fit in one round, each K step moves fewer bytes.
+    sizes = [(128, 4096, 4096, 1)]
+    assert submission.choose_sm100_config(sizes, 148).tile_mn == (128, 64)
+    assert (submission.sm100_predicted_us(sizes, submission.SM100_TILE_N64, 148)
+            < submission.sm100_predicted_us(sizes, submission.SM100_TILE_N128, 148))
+    # The same problem on 40 SMs: 64 narrow tiles would take two rounds.
+    assert submission.choose_sm100_config(sizes, 40).tile_mn == (128, 128)
+
+
+def test_tile_table_widens_n_over_full_waves_only_when_n_allows():
+    # 296 tiles of 128x128 = two full rounds; 148 tiles of 128x256 = one, with fewer bytes per column.
+    sizes = [(128 * 37, 1024, 4096, 1)]
+    assert submission.num_output_tiles(sizes, (128, 128)) == 296
+    assert submission.choose_sm100_config(sizes, 148).tile_mn == (128, 256)
+    # An N that is not a multiple of 256 never gets the 256 row (no partial N tiles by choice).
+    odd = [(128 * 37, 1152, 4096, 1)]
+    assert submission.choose_sm100_config(odd, 148).tile_mn != (128, 256)
+
+
+def test_predicted_time_follows_the_work():
+    row, fixed = submission.SM100_TILE_N128, submission.SM100_FIXED_US
+    # Square enough that the K steps, not DRAM, bound it in the model: 144 tiles (one round), then 288 (two).
+    one_round = submission.sm100_predicted_us([(1536, 1536, 8192, 1)], row, 148) - fixed
+    two_rounds = submission.sm100_predicted_us([(3072, 1536, 8192, 1)], row, 148) - fixed
+    assert 1.9 * one_round < two_rounds < 2.1 * one_round
+    assert one_round == pytest.approx(32 * submission.sm100_k_step_cycles(row) / submission.SM100_CLOCK_HZ * 1e6)
+    # A tall thin problem reuses nothing: DRAM bounds it.
+    thin = [(128 * 148, 128, 8192, 1)]
+    dram_us = ((128 * 148 + 128) * 8192 // 2 + (128 * 148 + 128) * 8192 // 16 + 2 * 128 * 148 * 128) / 7.7e12 * 1e6
+    assert submission.sm100_predicted_us(thin, row, 148) - fixed == pytest.approx(dram_us)
+
+
+def test_tile_table_variant_is_used_on_blackwell_only_for_persistent(monkeypatch):
+    sizes = [(128, 4096, 4096, 1)]
+    data = (None, None, None, sizes)
+    monkeypatch.setattr(submission, "_target_arch", lambda device: "sm_100a")
+    monkeypatch.setattr(submission, "_device_sm_count", lambda index: 148)
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(submission, "KERNEL_VARIANT", "persistent")
+    assert submission.kernel_config(data, device) is submission.SM100_TILE_N64
+    monkeypatch.setattr(submission, "KERNEL_VARIANT", "persistent_n128")
+    assert submission.kernel_config(data, device) is submission.SM100_TILE_N128
+    monkeypatch.setattr(submission, "KERNEL_VARIANT", "seed")
+    assert submission.kernel_config(data, device) is submission.SM100_CONFIG
