@@ -319,18 +319,30 @@ VARIANT_CONFIGS = {
 # Variants whose tile comes from the table per problem.
 TILE_TABLE_VARIANTS = frozenset({"persistent"})
 KERNEL_VARIANTS = tuple(VARIANT_CONFIGS)
+
+
+def _choice_from_env(variable: str, default: str, choices: tuple) -> str:
+    """Environment variable `variable` (`default` when unset or empty), which must be one of `choices`."""
+    value = os.environ.get(variable) or default
+    if value not in choices:
+        raise ValueError(f"{variable}={value!r}: choose one of {choices}")
+    return value
+
+
+def _check_choice(what: str, name: str, choices: tuple) -> None:
+    if name not in choices:
+        raise ValueError(f"unknown {what} {name!r}; choose one of {choices}")
+
+
 # A fresh interpreter (eval.py's spawned workers) can start on another variant through the environment;
 # the leaderboard runner never sets it.
-KERNEL_VARIANT = os.environ.get("NVFP4_KERNEL_VARIANT", "persistent")
-if KERNEL_VARIANT not in VARIANT_CONFIGS:
-    raise ValueError(f"NVFP4_KERNEL_VARIANT={KERNEL_VARIANT!r}: choose one of {KERNEL_VARIANTS}")
+KERNEL_VARIANT = _choice_from_env("NVFP4_KERNEL_VARIANT", "persistent", KERNEL_VARIANTS)
 
 
 def set_variant(name: str) -> None:
     """Select the kernel custom_kernel launches from now on (one of KERNEL_VARIANTS)."""
     global KERNEL_VARIANT
-    if name not in VARIANT_CONFIGS:
-        raise ValueError(f"unknown kernel variant {name!r}; choose one of {KERNEL_VARIANTS}")
+    _check_choice("kernel variant", name, KERNEL_VARIANTS)
     KERNEL_VARIANT = name
 
 
@@ -431,8 +443,8 @@ def variant_config(variant: str):
 
 def kernel_resources(variant: Optional[str] = None) -> dict:
     """Shared memory, tensor-memory columns, stages and threads of a variant's kernel (no build needed)."""
-    if variant is not None and variant not in VARIANT_CONFIGS:
-        raise ValueError(f"unknown kernel variant {variant!r}; choose one of {KERNEL_VARIANTS}")
+    if variant is not None:
+        _check_choice("kernel variant", variant, KERNEL_VARIANTS)
     return variant_config(variant or KERNEL_VARIANT).resources()
 
 
@@ -2507,16 +2519,13 @@ def _tvm_ffi_importable() -> bool:
 # Default: "tvm_ffi" where the package imports, else "prepacked"; NVFP4_LAUNCH_PATH overrides it.
 LAUNCH_PATHS = ("tvm_ffi", "prepacked", "dsl")
 _LAUNCH_PATH_CHOSEN = bool(os.environ.get("NVFP4_LAUNCH_PATH"))  # by the user: never replaced
-LAUNCH_PATH = os.environ.get("NVFP4_LAUNCH_PATH") or ("tvm_ffi" if _tvm_ffi_importable() else "prepacked")
-if LAUNCH_PATH not in LAUNCH_PATHS:
-    raise ValueError(f"NVFP4_LAUNCH_PATH={LAUNCH_PATH!r}: choose one of {LAUNCH_PATHS}")
+LAUNCH_PATH = _choice_from_env("NVFP4_LAUNCH_PATH", "tvm_ffi" if _tvm_ffi_importable() else "prepacked", LAUNCH_PATHS)
 
 
 def set_launch_path(name: str) -> None:
     """Select how custom_kernel launches (one of LAUNCH_PATHS); kernels and prepared calls are cached per path."""
     global LAUNCH_PATH
-    if name not in LAUNCH_PATHS:
-        raise ValueError(f"unknown launch path {name!r}; choose one of {LAUNCH_PATHS}")
+    _check_choice("launch path", name, LAUNCH_PATHS)
     if name == "tvm_ffi" and not _tvm_ffi_importable():
         raise ValueError("launch path 'tvm_ffi' needs the apache-tvm-ffi package (import tvm_ffi failed)")
     LAUNCH_PATH = name
@@ -2637,12 +2646,12 @@ def compile_for(num_groups: int, arch: Optional[str] = None, variant: Optional[s
     if arch is not None and arch != target:
         raise ValueError(f"compile_for(arch={arch!r}), but the DSL builds for {target!r} (CUTE_DSL_ARCH or the GPU)")
     if target.startswith("sm_90"):
-        if variant is not None and variant not in SM90_VARIANT_CONFIGS:
-            raise ValueError(f"unknown Hopper variant {variant!r}; choose one of {tuple(SM90_VARIANT_CONFIGS)}")
+        if variant is not None:
+            _check_choice("Hopper variant", variant, tuple(SM90_VARIANT_CONFIGS))
         config = SM90_VARIANT_CONFIGS[variant or "sm90_tile128"]
     else:
-        if variant is not None and variant not in VARIANT_CONFIGS:
-            raise ValueError(f"unknown kernel variant {variant!r}; choose one of {KERNEL_VARIANTS}")
+        if variant is not None:
+            _check_choice("kernel variant", variant, KERNEL_VARIANTS)
         config = variant_config(variant or KERNEL_VARIANT)
     parts = kernel_parts(config)
     return [compiled_kernel(compile_key(num_groups, target, config, part)) for part in parts][0]
