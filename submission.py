@@ -18,7 +18,9 @@ Constraints (stated once, in `can_implement`): L == 1; any M >= 1; N a multiple 
 How it runs on Blackwell (sm_100a): three variants (`KERNEL_VARIANT`, `set_variant`), newest first:
 
 * "persistent" (default, `Sm100PersistentGroupedGemmKernel`): one CTA per SM walks the output tiles of all
-  groups (static round-robin `GroupTileScheduler`). Warp 5 loads A, B, SFA, SFB by TMA into a multi-stage
+  groups (static round-robin `GroupTileScheduler`); the tile, 128x64, 128x128 or 128x256, is chosen per
+  problem from a small table by a model of that schedule (`choose_sm100_config`; "persistent_n64",
+  "persistent_n128", "persistent_n256" force one). Warp 5 loads A, B, SFA, SFB by TMA into a multi-stage
   shared-memory ring, warp 4 issues tcgen05 block-scaled MMAs into one of two tensor-memory accumulators,
   warps 0-3 move the finished accumulator to registers, fp16, shared memory and out by TMA store (rows past
   M clipped by the TMA unit). Each group's five TMA descriptors are written once per input set by a small
@@ -39,13 +41,16 @@ and multiplied by fp16 wgmma with fp32 accumulation. One persistent launch walks
 transform warpgroup dequantizes A into shared memory, two consumer warpgroups dequantize B in registers as
 the wgmma A operand and store C^T tiles by TMA. The tile (128x128 or 128x256) is chosen per problem
 (`choose_sm90_config`). Both arches share the host path: constraint check, pointer/size tables, launch
-metadata cache, compile cache, the prepared-call fast path. docs/HOPPER_NOTES.md has the design and log.
+metadata cache, compile cache, the prepared-call fast path and the launch paths (`LAUNCH_PATH`: the DSL's
+TVM-FFI entry where apache-tvm-ffi imports, else its ctypes entry with arguments packed once).
+docs/HOPPER_NOTES.md has the design and log.
 
 How to use it:
     custom_kernel(data)      GPU MODE entry point; data = (abc, sfasfb, sfasfb_reordered, problem_sizes)
     can_implement(data)      (ok, reason) on CPU or GPU tensors, no GPU needed
     set_variant(name)        one of KERNEL_VARIANTS; custom_kernel uses KERNEL_VARIANT at each call
                              (NVFP4_KERNEL_VARIANT=name in the environment sets it at import)
+    set_launch_path(name)    one of LAUNCH_PATHS ("tvm_ffi", "prepacked", "dsl"; NVFP4_LAUNCH_PATH=name at import)
     compile_for(num_groups, arch=None, variant=None)
                              build only; to build without a GPU set CUTE_DSL_ARCH=sm_100a and ask the DSL to
                              keep the cubin (4.3.x: CUTE_DSL_KEEP_CUBIN=1, 4.8.x: CUTE_DSL_KEEP=cubin) in
