@@ -40,7 +40,7 @@ os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
 HERE = Path(__file__).resolve().parent
 NUM_ITERATIONS_PER_BENCHMARK = 15
 RUN_MODES = ("test", "benchmark", "leaderboard", "profile")
-SASS_OPS = ("UTCOMMA", "UTCQMMA", "UTMALDG", "UTMASTG", "UTCCP", "HGMMA", "STG", "LDL", "STL")
+SASS_OPS = ("UTCOMMA", "UTCQMMA", "UTMALDG", "UTMASTG", "UTCCP", "HGMMA", "STG", "LDL", "STL", "PREEXIT", "ACQBULK")
 GENERATOR_KEYS = ("m", "n", "k", "g", "seed")
 
 

@@ -118,6 +118,13 @@ def fence_smem_for_async_proxy():
 # ---------------------------------------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------------------------------------
+# Programmatic dependent launch for the persistent kernels (both arches): each launch lets the next one on
+# the queue start its CTAs early, and waits (griddepcontrol.wait) for the previous grid before touching
+# global memory, so only set-up overlaps. NVFP4_PDL=0 at import builds them without it.
+if os.environ.get("NVFP4_PDL", "1") not in ("0", "1"):
+    raise ValueError(f"NVFP4_PDL={os.environ['NVFP4_PDL']!r}: choose '0' or '1'")
+USE_PDL = os.environ.get("NVFP4_PDL", "1") == "1"
+
 # Hardware budgets of one sm_100 SM (the CUDA occupancy tables: 227 KiB of shared memory per block, static
 # and dynamic together; 512 tensor-memory columns of 128 lanes x 32 bit).
 SM100_SMEM_CAPACITY = 232448
@@ -208,6 +215,8 @@ class Sm100PersistentConfig(Sm100TileConfig):
     # True: each group's descriptors written once per input set by a preparation kernel, roles only
     # acquire them. False: CUTLASS's grouped example, each CTA patches its own copy on a group change.
     descriptors_up_front: bool = True
+    # Programmatic dependent launch (USE_PDL).
+    use_pdl: bool = USE_PDL
 
     def __post_init__(self):
         tile_m, tile_n, tile_k = self.mma_tiler_mnk
@@ -363,6 +372,7 @@ class Sm90GemmConfig:
 
     blocks_per_wg: int = 1
     num_stages: int = 0
+    use_pdl: bool = USE_PDL  # programmatic dependent launch
 
     def __post_init__(self):
         if self.blocks_per_wg not in (1, 2):
@@ -1396,7 +1406,7 @@ class Sm100PersistentGroupedGemmKernel:
             ptr_table, size_table, tensormaps, num_tiles,
             setup.a_smem_layout_staged, setup.b_smem_layout_staged, setup.sfa_smem_layout_staged,
             setup.sfb_smem_layout_staged, setup.c_smem_layout_staged, setup.epi_tile, setup.ab_stage_bytes,
-        ).launch(grid=(num_ctas, 1, 1), block=(self.threads_per_cta, 1, 1), cluster=(1, 1, 1))
+        ).launch(grid=(num_ctas, 1, 1), block=(self.threads_per_cta, 1, 1), cluster=(1, 1, 1), use_pdl=cfg.use_pdl)
 
     # -----------------------------------------------------------------------------------------------------
     # Device side: setup shared by all roles, then dispatch on the warp index
@@ -1433,6 +1443,9 @@ class Sm100PersistentGroupedGemmKernel:
         tidx, _, _ = cute.arch.thread_idx()
         cta_idx, _, _ = cute.arch.block_idx()
         num_ctas, _, _ = cute.arch.grid_dim()
+        if cutlass.const_expr(cfg.use_pdl):
+            # The next launch may start its CTAs (they wait for this grid before touching global memory).
+            cute.arch.griddepcontrol_launch_dependents()
 
         # ---- shared memory and pipelines -----------------------------------------------------------------
         smem = SmemAllocator()
@@ -1461,6 +1474,10 @@ class Sm100PersistentGroupedGemmKernel:
         # One CTA-wide sync makes every barrier initialisation visible before any role uses it.
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
+        if cutlass.const_expr(cfg.use_pdl):
+            # Everything below reads or writes global memory: the previous grid on the queue (which may
+            # have written these inputs, or prepared these descriptors) must be complete and visible.
+            cute.arch.griddepcontrol_wait()
 
         # Swizzled operand buffers on 1024 bytes, the 128-byte swizzle pattern's period.
         # (EPI_TILE_M, EPI_TILE_N, STAGE)
@@ -2095,6 +2112,7 @@ class Sm90BlockScaledGroupedGemmKernel:
 
     def __init__(self, num_groups: int, config: "Sm90GemmConfig"):
         blocks_per_wg, num_stages = config.blocks_per_wg, config.num_stages
+        self.config = config
         self.num_groups = num_groups
         self.bpw = blocks_per_wg
         self.num_stages = num_stages or (4 if blocks_per_wg == 1 else 3)
@@ -2158,7 +2176,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         self.shared_storage = SharedStorage
 
         self.kernel(tma_a, tma_b, tma_c, tiled_mma, a16_layout, ptrs, sizes, workspace, total_tiles).launch(
-            grid=(grid_x, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1)
+            grid=(grid_x, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, use_pdl=self.config.use_pdl)
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, tma_c: cute.CopyAtom,
@@ -2168,6 +2186,9 @@ class Sm90BlockScaledGroupedGemmKernel:
         bid, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if cutlass.const_expr(self.config.use_pdl):
+            # As the Blackwell kernel: the next launch may start early; global memory after the wait below.
+            cute.arch.griddepcontrol_launch_dependents()
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -2189,6 +2210,8 @@ class Sm90BlockScaledGroupedGemmKernel:
                 mbar_init(a16_empty + 8 * b, 2 * 128)  # every consumer thread
             fence_mbar_init()
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.config.use_pdl):
+            cute.arch.griddepcontrol_wait()
 
         ws_cta = workspace.iterator.toint() + cutlass.Int64(bid) * (self.DESCS_PER_CTA * self.DESC_BYTES)
 

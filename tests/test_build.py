@@ -1,6 +1,7 @@
 """The kernels build for their GPUs on a machine without one (`eval.py compile`), and their SASS is sane."""
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -8,6 +9,9 @@ import pytest
 
 import eval as ev
 from conftest import ROOT, load_task_yml
+
+# submission.USE_PDL as the eval.py subprocess will see it
+PDL_ON = os.environ.get("NVFP4_PDL", "1") == "1"
 
 pytestmark = [
     pytest.mark.build,
@@ -41,6 +45,9 @@ def test_sm100a_builds_for_every_task_group_count(tmp_path, variant):
         if variant != "seed":
             assert sass["UTMASTG"] > 0, row  # TMA-store epilogue (the seed stores with STG)
         assert sass["LDL"] == 0 and sass["STL"] == 0, row  # no local-memory spills
+        # programmatic dependent launch (griddepcontrol.launch_dependents / .wait) in the persistent kernels
+        pdl = int(variant != "seed" and PDL_ON)
+        assert (sass["PREEXIT"], sass["ACQBULK"]) == (pdl, pdl), row
         assert row["resources"]["REG"] > 0
         if variant != "seed":  # the kernel's plan fits an SM: 227 KiB of shared memory, 512 TMEM columns
             used, allocated = map(int, row["info"]["tmem_cols"].split("/"))
@@ -57,6 +64,7 @@ def test_sm90a_builds_for_every_task_group_count(tmp_path, variant):
         # wgmma, TMA loads of the fp4 bytes, TMA store of C
         assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["UTMASTG"] > 0, row
         assert sass["UTCOMMA"] == 0, row  # no Blackwell instruction leaked in
+        assert sass["PREEXIT"] == sass["ACQBULK"] == int(PDL_ON), row  # programmatic dependent launch
         if variant == "sm90_tile128":
             assert sass["LDL"] == 0 and sass["STL"] == 0, row
 

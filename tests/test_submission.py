@@ -1,5 +1,9 @@
 """submission.py without a GPU: the file rules of the leaderboard, validation, the launch-metadata cache key."""
+import dataclasses
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -250,3 +254,22 @@ def test_tile_table_variant_is_used_on_blackwell_only_for_persistent(monkeypatch
     assert submission.kernel_config(data, device) is submission.SM100_TILE_N128
     monkeypatch.setattr(submission, "KERNEL_VARIANT", "seed")
     assert submission.kernel_config(data, device) is submission.SM100_CONFIG
+
+
+def test_programmatic_dependent_launch_is_a_compile_time_choice(monkeypatch):
+    # Default on for the persistent kernels of both arches, off for the seed's structure; part of the config,
+    # so of the compile key: kernels built with and without it never mix.
+    assert submission.USE_PDL == (os.environ.get("NVFP4_PDL", "1") == "1")
+    for config in (submission.SM100_TILE_N128, submission.SM100_TILE_N64, submission.SM100_TILE_N256,
+                   *submission.SM90_VARIANT_CONFIGS.values()):
+        assert config.use_pdl == submission.USE_PDL
+    assert not hasattr(submission.SM100_CONFIG, "use_pdl")
+    off = dataclasses.replace(submission.SM100_TILE_N128, use_pdl=False)
+    assert submission.compile_key(2, "sm_100a", off) != submission.compile_key(2, "sm_100a", submission.SM100_TILE_N128)
+
+
+def test_bad_pdl_setting_fails_at_import():
+    env = dict(os.environ, NVFP4_PDL="yes")
+    proc = subprocess.run([sys.executable, "-c", "import submission"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode != 0 and "NVFP4_PDL='yes'" in proc.stderr
