@@ -1,6 +1,7 @@
 """Times the submission against torch baselines on the benchmark shapes, in one run, with the runner's method.
 
     python bench.py [FILE] [--repeats N] [--plot roofline.png] [--skip-slow] [--launch-paths P,Q]
+    python bench.py [FILE] --pdl-ab ROUNDS
 
 For every benchmark case of FILE (default task.yml) it times, each on the same 15 input sets:
   kernel         submission.custom_kernel(data)
@@ -13,6 +14,8 @@ call over repeats. It prints µs, × of each baseline against the kernel, and th
 then the host time of one custom_kernel call on its own (CPU wall time per call, launches only).
 With --launch-paths (names from submission.LAUNCH_PATHS) it also times the kernel and its host cost once per
 launch path, side by side, next to the host cost of one small torch kernel launch.
+With --pdl-ab it only times the kernel with and without programmatic dependent launch (submission.set_pdl),
+alternating in ROUNDS rounds in one process on the same inputs, and prints medians and paired differences.
 """
 import argparse
 import statistics
@@ -96,6 +99,32 @@ def torch_launch_us(calls: int = 3000) -> float:
     return host_us_per_call(lambda _: x.add_(1), [None] * 15, calls)
 
 
+def pdl_ab(submission, cases, rounds: int, repeats: int) -> int:
+    """Kernel µs per call with and without programmatic dependent launch, alternating (ABBA) in one process."""
+    default = submission.USE_PDL
+    print(f"programmatic dependent launch on vs off, {rounds} alternating rounds of {repeats} repeats each; "
+          "µs per call (timing as above)")
+    for case in cases:
+        inputs = [reference.generate_input(**dict(case.args, seed=case.args["seed"] + 42 * (i + 1)))
+                  for i in range(NUM_INPUTS)]
+        times = {True: [], False: []}
+        for rnd in range(rounds):
+            for on in (True, False) if rnd % 2 == 0 else (False, True):
+                submission.set_pdl(on)
+                if rnd < 2:  # each setting's kernel checked once
+                    ok, msg = reference.check_implementation(inputs[0], submission.custom_kernel(ev._clone_data(inputs[0])))
+                    if not ok:
+                        print(f"bench.py: wrong with PDL {'on' if on else 'off'} on {ev._short(case)}: {msg}", file=sys.stderr)
+                        return 1
+                times[on].append(_time_per_call(submission.custom_kernel, inputs, repeats))
+        diffs = [a - b for a, b in zip(times[True], times[False])]
+        print(f"{ev._short(case)[:52]:<52} on {statistics.median(times[True]):8.2f}  off {statistics.median(times[False]):8.2f}"
+              f"  paired diff median {statistics.median(diffs):+6.2f} (min {min(diffs):+.2f}, max {max(diffs):+.2f})",
+              flush=True)
+    submission.set_pdl(default)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"))
@@ -103,6 +132,8 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", metavar="PNG", help="write a roofline plot of the four methods")
     parser.add_argument("--skip-slow", action="store_true", help="leave out dequant+mm (slowest baseline)")
     parser.add_argument("--launch-paths", metavar="P,Q", help="also time these launch paths (submission.LAUNCH_PATHS)")
+    parser.add_argument("--pdl-ab", metavar="ROUNDS", type=int,
+                        help="only time the kernel with and without programmatic dependent launch, alternating")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.py: no usable CUDA GPU", file=sys.stderr)
@@ -118,6 +149,8 @@ def main(argv=None) -> int:
     by_path = []  # (case, {path: (kernel µs, host µs)})
 
     cases = ev.load_cases(args.cases, "benchmarks")
+    if args.pdl_ab:
+        return pdl_ab(submission, cases, args.pdl_ab, args.repeats)
     rows = []
     for idx, case in enumerate(cases):
         print(f"[{idx + 1}/{len(cases)}] {ev._short(case)}", file=sys.stderr, flush=True)

@@ -121,9 +121,16 @@ def fence_smem_for_async_proxy():
 # Programmatic dependent launch for the persistent kernels (both arches): each launch lets the next one on
 # the queue start its CTAs early, and waits (griddepcontrol.wait) for the previous grid before touching
 # global memory, so only set-up overlaps. NVFP4_PDL=0 at import builds them without it.
+# set_pdl() switches it at run time (kernels of both settings stay cached side by side).
 if os.environ.get("NVFP4_PDL", "1") not in ("0", "1"):
     raise ValueError(f"NVFP4_PDL={os.environ['NVFP4_PDL']!r}: choose '0' or '1'")
 USE_PDL = os.environ.get("NVFP4_PDL", "1") == "1"
+
+
+def set_pdl(on: bool) -> None:
+    """Launch the persistent kernels with (True) or without programmatic dependent launch from now on."""
+    global USE_PDL
+    USE_PDL = bool(on)
 
 # Hardware budgets of one sm_100 SM (the CUDA occupancy tables: 227 KiB of shared memory per block, static
 # and dynamic together; 512 tensor-memory columns of 128 lanes x 32 bit).
@@ -2839,10 +2846,14 @@ def kernel_config(data, device: torch.device):
     variant that suits the problem sizes; on Blackwell the tile-table row that suits them (KERNEL_VARIANT
     "persistent") or KERNEL_VARIANT's fixed config."""
     if _target_arch(device).startswith("sm_90"):
-        return choose_sm90_config(data[3], _device_sm_count(device.index))
-    if KERNEL_VARIANT in TILE_TABLE_VARIANTS:
-        return choose_sm100_config(data[3], _device_sm_count(device.index))
-    return variant_config(KERNEL_VARIANT)
+        config = choose_sm90_config(data[3], _device_sm_count(device.index))
+    elif KERNEL_VARIANT in TILE_TABLE_VARIANTS:
+        config = choose_sm100_config(data[3], _device_sm_count(device.index))
+    else:
+        config = variant_config(KERNEL_VARIANT)
+    if getattr(config, "use_pdl", USE_PDL) != USE_PDL:  # set_pdl() since import
+        config = dataclasses.replace(config, use_pdl=USE_PDL)
+    return config
 
 
 def launch_metadata(data, device: torch.device, config=None) -> LaunchMetadata:
@@ -2890,7 +2901,7 @@ def _prepared_call(data) -> Optional[_PreparedCall]:
     is checked. A tensor object whose storage is swapped in place (`.data =`, `set_`) after a first call
     is not detected; the task's harness never does that, and a new tensor always misses.
     """
-    entry = _prepared_calls.get((KERNEL_VARIANT, LAUNCH_PATH, id(data)))
+    entry = _prepared_calls.get((KERNEL_VARIANT, LAUNCH_PATH, USE_PDL, id(data)))
     if entry is None or type(data) is not tuple or len(data) != 4:
         return None
     abc, sfr, sizes = entry.lists
@@ -2912,7 +2923,7 @@ def _prepare_call(data) -> _PreparedCall:
     _check_device(device)
     config = kernel_config(data, device)
     kernel = compiled_gemm(len(sizes), _target_arch(device), config)
-    variant, launch_path = KERNEL_VARIANT, LAUNCH_PATH
+    variant, launch_path, pdl = KERNEL_VARIANT, LAUNCH_PATH, USE_PDL
     metadata = launch_metadata(data, device, config)
     entry = _PreparedCall(lists=(abc, sfr, sizes), items=(tuple(abc), tuple(sfr), tuple(sizes)),
                           launch=make_launcher(kernel, metadata.launch_args), metadata=metadata,
@@ -2921,7 +2932,7 @@ def _prepare_call(data) -> _PreparedCall:
     if type(data) is tuple and all(type(x) is tuple for part in entry.items for x in part):
         if len(_prepared_calls) >= PREPARED_CALL_CACHE_SIZE:
             del _prepared_calls[next(iter(_prepared_calls))]
-        _prepared_calls[(variant, launch_path, id(data))] = entry
+        _prepared_calls[(variant, launch_path, pdl, id(data))] = entry
     return entry
 
 

@@ -273,3 +273,18 @@ def test_bad_pdl_setting_fails_at_import():
     proc = subprocess.run([sys.executable, "-c", "import submission"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode != 0 and "NVFP4_PDL='yes'" in proc.stderr
+
+
+def test_set_pdl_changes_the_config_custom_kernel_runs(monkeypatch):
+    monkeypatch.setattr(submission, "_target_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(submission, "_device_sm_count", lambda index: 132)
+    monkeypatch.setattr(submission, "USE_PDL", submission.USE_PDL)  # restored after the test
+    data = (None, None, None, [(128, 4096, 1536, 1)] * 2)
+    device = torch.device("cuda", 0)
+    for on in (False, True, False):
+        submission.set_pdl(on)
+        config = submission.kernel_config(data, device)
+        assert config.use_pdl is on
+        # the same tile as the table's choice, only the launch setting differs
+        assert dataclasses.replace(config, use_pdl=False) == dataclasses.replace(
+            submission.choose_sm90_config(data[3], 132), use_pdl=False)
