@@ -51,6 +51,7 @@ How to use it:
     set_variant(name)        one of KERNEL_VARIANTS; custom_kernel uses KERNEL_VARIANT at each call
                              (NVFP4_KERNEL_VARIANT=name in the environment sets it at import)
     set_launch_path(name)    one of LAUNCH_PATHS ("tvm_ffi", "prepacked", "dsl"; NVFP4_LAUNCH_PATH=name at import)
+    set_pdl(on)              programmatic dependent launch of the persistent kernels (default on; NVFP4_PDL=0)
     compile_for(num_groups, arch=None, variant=None)
                              build only; to build without a GPU set CUTE_DSL_ARCH=sm_100a and ask the DSL to
                              keep the cubin (4.3.x: CUTE_DSL_KEEP_CUBIN=1, 4.8.x: CUTE_DSL_KEEP=cubin) in
