@@ -366,3 +366,39 @@ def test_custom_kernel_on_each_launch_path(launch_path, name):
     _poison(data)
     assert submission._prepared_call(data) is not None
     _check(expected, submission.custom_kernel(data))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compiled_gemm: a failing TVM-FFI build falls back to the ctypes entry only when tvm_ffi was the default
+# ---------------------------------------------------------------------------------------------------------
+def _failing_tvm_ffi_compile(monkeypatch):
+    built = []
+
+    def fake_compiled_kernel(key):
+        built.append(key[-1])
+        if key[-1] == "tvm_ffi":
+            raise RuntimeError("tvm_ffi ABI mismatch")
+        return "ctypes kernel"
+
+    monkeypatch.setattr(submission, "compiled_kernel", fake_compiled_kernel)
+    monkeypatch.setattr(submission.torch.cuda, "is_available", lambda: True)
+    return built
+
+
+def test_default_tvm_ffi_falls_back_to_prepacked_with_a_warning(launch_path, monkeypatch):
+    built = _failing_tvm_ffi_compile(monkeypatch)
+    monkeypatch.setattr(submission, "LAUNCH_PATH", "tvm_ffi")
+    monkeypatch.setattr(submission, "_LAUNCH_PATH_CHOSEN", False)
+    with pytest.warns(RuntimeWarning, match="TVM-FFI launch failed.*ABI mismatch"):
+        kernel = submission.compiled_gemm(2, "sm_90a", submission.SM90_VARIANT_CONFIGS["sm90_tile128"])
+    assert kernel == "ctypes kernel" and built == ["tvm_ffi", "ctypes"]
+    assert submission.LAUNCH_PATH == "prepacked" and submission._launch_abi() == "ctypes"
+
+
+def test_a_chosen_tvm_ffi_path_raises_instead(launch_path, monkeypatch):
+    built = _failing_tvm_ffi_compile(monkeypatch)
+    monkeypatch.setattr(submission, "LAUNCH_PATH", "tvm_ffi")
+    monkeypatch.setattr(submission, "_LAUNCH_PATH_CHOSEN", True)
+    with pytest.raises(RuntimeError, match="ABI mismatch"):
+        submission.compiled_gemm(2, "sm_90a", submission.SM90_VARIANT_CONFIGS["sm90_tile128"])
+    assert built == ["tvm_ffi"] and submission.LAUNCH_PATH == "tvm_ffi"
