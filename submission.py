@@ -517,14 +517,65 @@ def num_output_tiles(sizes, tile_mn: tuple) -> int:
     return sum(ceil_div(m, tile_mn[0]) * ceil_div(n, tile_mn[1]) for m, n, _, _ in sizes)
 
 
+def table_words(num_groups: int) -> tuple:
+    """(words before the size table, words in all) of the int64 table buffer: the pointer table [G, PtrColumn],
+    padded to 16 bytes, then the int32 size table [G, SizeColumn]."""
+    ptr_words = ceil_div(num_groups * len(PtrColumn), 2) * 2
+    return ptr_words, ptr_words + num_groups * len(SizeColumn) // 2
+
+
+class PinnedTableRing:
+    """Pinned host memory for the tables' staging copies, handed out round-robin in 16-byte pieces, allocated
+    once (page-locking memory per miss would cost a driver call each).
+
+    NOTES: a piece is reused after the ring has wrapped: TABLE_RING_WORDS is large enough that by then over a
+    thousand launches (an upload and a GEMM per miss) were queued after its upload, more than the driver
+    keeps pending, so that upload has run.
+    """
+
+    def __init__(self, words: int):
+        self.words = words
+        self.buffer = None
+        self.next = 0
+
+    def take(self, words: int) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.empty(self.words, dtype=torch.int64, pin_memory=True)
+        words = ceil_div(words, 2) * 2
+        if words > self.words:
+            raise ValueError(f"{words} table words exceed the staging ring ({self.words})")
+        if self.next + words > self.words:
+            self.next = 0
+        piece = self.buffer[self.next:self.next + words]
+        self.next += words
+        return piece
+
+
+# 4 MiB: 1,170 tables of 64 groups, 9,362 of 8 groups.
+TABLE_RING_WORDS = 1 << 19
+_table_ring = PinnedTableRing(TABLE_RING_WORDS)
+
+
 def pack_group_metadata(data, device: torch.device) -> tuple:
-    """The two tables every kernel reads, on `device`: pointers int64 [G, PtrColumn], sizes int32 [G, SizeColumn]."""
+    """The two tables every kernel reads: (pinned host staging buffer, device buffer, pointer table int64
+    [G, PtrColumn] and size table int32 [G, SizeColumn] as views of the device buffer).
+
+    The device buffer is not written here: `TableUploadKernel` copies the staging piece (from
+    `PinnedTableRing`) into it on the kernels' own queue, so a new input set never makes the host wait for
+    the kernels already queued (a torch copy from pageable memory would).
+    """
     abc, _, sfasfb_r, sizes = data
-    rows = [(a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa_r.data_ptr(), sfb_r.data_ptr())
-            for (a, b, c), (sfa_r, sfb_r) in zip(abc, sfasfb_r)]
-    ptr_table = torch.tensor(rows, dtype=torch.int64).to(device)
-    size_table = torch.tensor([tuple(s) for s in sizes], dtype=torch.int32).to(device)
-    return ptr_table, size_table
+    num_groups = len(sizes)
+    ptr_words, words = table_words(num_groups)
+    staging = _table_ring.take(words)
+    staging[:num_groups * len(PtrColumn)] = torch.tensor(
+        [(a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa_r.data_ptr(), sfb_r.data_ptr())
+         for (a, b, c), (sfa_r, sfb_r) in zip(abc, sfasfb_r)], dtype=torch.int64).view(-1)
+    staging[ptr_words:].view(torch.int32)[:] = torch.tensor([tuple(s) for s in sizes], dtype=torch.int32).view(-1)
+    tables = torch.empty(words, dtype=torch.int64, device=device)
+    ptr_table = tables[:num_groups * len(PtrColumn)].view(num_groups, len(PtrColumn))
+    size_table = tables[ptr_words:].view(torch.int32).view(num_groups, len(SizeColumn))
+    return staging, tables, ptr_table, size_table
 
 
 def aligned_device_buffer(num_bytes: int, align: int, device: torch.device) -> torch.Tensor:
@@ -558,6 +609,8 @@ def launch_metadata_key(data, tile_mn: tuple = SM100_CONFIG.tile_mn) -> tuple:
 class LaunchMetadata:
     """Device data of one launch, kept alive as long as its cache entry."""
 
+    staging: torch.Tensor  # pinned host copy of the tables (a PinnedTableRing piece, read by the upload kernel)
+    tables: torch.Tensor  # the device buffer ptr_table and size_table live in
     ptr_table: torch.Tensor  # int64 [G, PtrColumn]
     size_table: torch.Tensor  # int32 [G, SizeColumn]
     workspace: torch.Tensor  # TMA descriptors (seed: 4 per tile; persistent: 5 per group or per CTA)
@@ -583,6 +636,46 @@ def cached_launch_metadata(key: tuple, build: Callable[[], LaunchMetadata]) -> L
     else:
         _launch_metadata.move_to_end(key)
     return entry
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Table upload (both arches): pinned host staging buffer -> device tables, on the kernels' queue
+# ---------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TableUploadConfig:
+    """Compile-time configuration of `TableUploadKernel` (the word count comes from G)."""
+
+    threads: int = 128
+
+
+TABLE_UPLOAD_CONFIG = TableUploadConfig()
+
+
+def upload_args(raw_args: tuple) -> tuple:
+    """The DSL arguments of `TableUploadKernel` from (staging address, device table address)."""
+    return tuple(gmem_ptr(cutlass.Int64, address, METADATA_ALIGN_BYTES) for address in raw_args)
+
+
+class TableUploadKernel:
+    """Copies a launch's tables (`table_words(G)` int64 words) from pinned host memory, which the GPU reads
+    through unified addressing, to their device buffer: one CTA, a strided loop of 64-bit loads and stores.
+    Launched on a launch-metadata miss ahead of every kernel that reads the tables, on the same queue."""
+
+    def __init__(self, num_groups: int, config: TableUploadConfig):
+        self.num_words = table_words(num_groups)[1]
+        self.threads = config.threads
+
+    @cute.jit
+    def __call__(self, staging_ptr: cute.Pointer, tables_ptr: cute.Pointer):
+        staging = cute.make_tensor(staging_ptr, cute.make_layout(self.num_words))
+        tables = cute.make_tensor(tables_ptr, cute.make_layout(self.num_words))
+        self.kernel(staging, tables).launch(grid=(1, 1, 1), block=(self.threads, 1, 1))
+
+    @cute.kernel
+    def kernel(self, staging: cute.Tensor, tables: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        for word in cutlass.range(tidx, self.num_words, self.threads, unroll=1):
+            tables[word] = staging[word]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -2512,6 +2605,8 @@ def kernel_args(raw_args: tuple) -> tuple:
 def _compile(key: tuple) -> Callable:
     _, part, arch, _, config, num_groups, abi = key
     options = {"options": "--enable-tvm-ffi"} if abi == "tvm_ffi" else {}
+    if isinstance(config, TableUploadConfig):  # arch-neutral
+        return cute.compile(TableUploadKernel(num_groups, config), *upload_args((0, 0)), **options)
     # Placeholder addresses and counts: only the pointer types (dtype, alignment) and G are baked in.
     tables = kernel_args((0, 0, 0))
     if isinstance(config, Sm90GemmConfig) and arch.startswith("sm_90"):
@@ -2589,8 +2684,22 @@ def _launch_abi() -> str:
     return "tvm_ffi" if LAUNCH_PATH == "tvm_ffi" else "ctypes"
 
 
-def make_launcher(kernel: Callable, raw_args: tuple) -> Callable[[], object]:
-    """A no-argument callable that launches `kernel` with `raw_args` (kernel_args' ints), by LAUNCH_PATH.
+_executors: dict = {}
+
+
+def _executor(kernel: Callable, device_index: int):
+    """The DSL's executor of a compiled kernel bound to a device, made once (binding loads the kernel
+    functions and sets their attributes: far more host time than a launch)."""
+    key = (id(kernel), device_index)
+    entry = _executors.get(key)
+    if entry is None or entry[0] is not kernel:
+        entry = _executors[key] = (kernel, kernel.to(None))
+    return entry[1]
+
+
+def make_launcher(kernel: Callable, raw_args: tuple, to_dsl: Callable = kernel_args) -> Callable[[], object]:
+    """A no-argument callable that launches `kernel` with `raw_args` (plain ints; `to_dsl` makes the DSL
+    arguments of the ctypes entry from them), by LAUNCH_PATH.
 
     The kernel must have been compiled for _launch_abi(). With "prepacked" the DSL's executor (bound to the
     current device, as the DSL's own call binds it) packs the C argument array once; the array points at
@@ -2599,7 +2708,7 @@ def make_launcher(kernel: Callable, raw_args: tuple) -> Callable[[], object]:
     if _launch_abi() == "tvm_ffi":
         # 4.8 wraps the TVM-FFI function for keyword arguments; the positional function is underneath.
         return functools.partial(getattr(kernel, "_tvm_ffi_function", None) or kernel, *raw_args)
-    args = kernel_args(raw_args)
+    args = to_dsl(raw_args)
     exe_args, adapted_args = kernel.generate_execution_args(*args)
     if LAUNCH_PATH == "dsl":
         exe_args = tuple(exe_args)
@@ -2608,7 +2717,7 @@ def make_launcher(kernel: Callable, raw_args: tuple) -> Callable[[], object]:
             # 4.3 appends to the list it is given, so each launch gets its own.
             return kernel.run_compiled_program(list(exe_args))
     else:
-        executor = kernel.to(None)
+        executor = _executor(kernel, torch.cuda.current_device() if torch.cuda.is_available() else -1)
         # NOTES: the DSL's own packing (private; same name and meaning in 4.3 and 4.8): the argument
         # addresses, then the CUDA-result slot and the kernel function handles. Copied: 4.8 reuses its buffer.
         packed = executor._get_invoke_packed_args(list(exe_args))
@@ -2823,7 +2932,7 @@ def can_implement(data) -> tuple:
 # Entry point
 # ---------------------------------------------------------------------------------------------------------
 def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata:
-    ptr_table, size_table = pack_group_metadata(data, device)
+    staging, table_buffer, ptr_table, size_table = pack_group_metadata(data, device)
     num_tiles = num_output_tiles(data[3], config.tile_mn)
     if isinstance(config, Sm90GemmConfig):
         num_ctas = min(num_tiles, _device_sm_count(device.index))
@@ -2839,7 +2948,8 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
         counts = (num_tiles,)
     workspace = aligned_device_buffer(workspace_bytes, TENSORMAP_BYTES, device)
     tables = (ptr_table.data_ptr(), size_table.data_ptr(), workspace.data_ptr())
-    return LaunchMetadata(ptr_table, size_table, workspace, num_tiles, num_ctas, (*tables, *counts), tables)
+    return LaunchMetadata(staging, table_buffer, ptr_table, size_table, workspace, num_tiles, num_ctas,
+                          (*tables, *counts), tables)
 
 
 def kernel_config(data, device: torch.device):
@@ -2864,9 +2974,13 @@ def launch_metadata(data, device: torch.device, config=None) -> LaunchMetadata:
 
     def build():
         metadata = _build_launch_metadata(data, device, config)
+        # Queued ahead of everything that reads the tables, on the same queue: no host wait.
+        arch = _target_arch(device)
+        upload = compiled_kernel(compile_key(len(data[3]), arch, TABLE_UPLOAD_CONFIG, "upload"))
+        make_launcher(upload, (metadata.staging.data_ptr(), metadata.tables.data_ptr()), upload_args)()
         if "tensormaps" in kernel_parts(config):
             # Queued ahead of every GEMM that will use this workspace; it completes before they start.
-            prepare = compiled_kernel(compile_key(len(data[3]), _target_arch(device), config, "tensormaps"))
+            prepare = compiled_kernel(compile_key(len(data[3]), arch, config, "tensormaps"))
             make_launcher(prepare, metadata.table_args)()
         return metadata
 

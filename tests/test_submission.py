@@ -288,3 +288,17 @@ def test_set_pdl_changes_the_config_custom_kernel_runs(monkeypatch):
         # the same tile as the table's choice, only the launch setting differs
         assert dataclasses.replace(config, use_pdl=False) == dataclasses.replace(
             submission.choose_sm90_config(data[3], 132), use_pdl=False)
+
+
+def test_pinned_table_ring_hands_out_aligned_pieces_and_wraps(monkeypatch):
+    monkeypatch.setattr(torch, "empty", lambda n, dtype, pin_memory: torch.arange(n, dtype=dtype))
+    ring = submission.PinnedTableRing(16)
+    first, second = ring.take(5), ring.take(6)
+    assert (len(first), int(first[0]), len(second), int(second[0])) == (6, 0, 6, 6)  # 16-byte multiples
+    third = ring.take(6)  # 12 + 6 > 16: back to the start
+    assert int(third[0]) == 0 and third.data_ptr() == first.data_ptr()
+    with pytest.raises(ValueError, match="exceed"):
+        ring.take(17)
+    for groups in (1, 2, 3, 8, 64):
+        ptr_words, words = submission.table_words(groups)
+        assert ptr_words % 2 == 0 and ptr_words >= 5 * groups and words - ptr_words == 2 * groups
