@@ -402,3 +402,18 @@ def test_a_chosen_tvm_ffi_path_raises_instead(launch_path, monkeypatch):
     with pytest.raises(RuntimeError, match="ABI mismatch"):
         submission.compiled_gemm(2, "sm_90a", submission.SM90_VARIANT_CONFIGS["sm90_tile128"])
     assert built == ["tvm_ffi"] and submission.LAUNCH_PATH == "tvm_ffi"
+
+
+def test_prepacked_launchers_of_one_kernel_share_its_executor(launch_path):
+    # Binding an executor loads the kernel functions: once per kernel, not once per input set.
+    launch_path("prepacked")
+    kernel = FakeCtypesKernel()
+    first = submission.make_launcher(kernel, RAW)
+    second = submission.make_launcher(kernel, RAW)
+    assert kernel.to_calls == [None]
+    first()
+    second()
+    assert len(kernel.executor.capi_calls) == 2 and len(kernel.executor.pack_calls) == 2
+    other = FakeCtypesKernel()
+    submission.make_launcher(other, RAW)
+    assert other.to_calls == [None]  # another kernel gets its own
