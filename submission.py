@@ -15,7 +15,7 @@ contiguous bytes (padding rows exist, so no load runs out of bounds).
 Constraints (stated once, in `can_implement`): L == 1; any M >= 1; N a multiple of 128; K a multiple of
 256; the task generator's dense layouts; every tensor the kernel reads on one CUDA device, 16-byte aligned.
 
-How it runs on Blackwell (sm_100a): three variants (`KERNEL_VARIANT`, `set_variant`), newest first:
+How it runs on Blackwell (sm_100a): kernel variants (`KERNEL_VARIANT`, `set_variant`), newest first:
 
 * "persistent" (default, `Sm100PersistentGroupedGemmKernel`): one CTA per SM walks the output tiles of all
   groups (static round-robin `GroupTileScheduler`); the tile, 128x64, 128x128 or 128x256, is chosen per
@@ -119,13 +119,24 @@ def fence_smem_for_async_proxy():
 # ---------------------------------------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------------------------------------
+def _choice_from_env(variable: str, default: str, choices: tuple) -> str:
+    """Environment variable `variable` (`default` when unset or empty), which must be one of `choices`."""
+    value = os.environ.get(variable) or default
+    if value not in choices:
+        raise ValueError(f"{variable}={value!r}: choose one of {choices}")
+    return value
+
+
+def _check_choice(what: str, name: str, choices: tuple) -> None:
+    if name not in choices:
+        raise ValueError(f"unknown {what} {name!r}; choose one of {choices}")
+
+
 # Programmatic dependent launch for the persistent kernels (both arches): each launch lets the next one on
 # the queue start its CTAs early, and waits (griddepcontrol.wait) for the previous grid before touching
 # global memory, so only set-up overlaps. NVFP4_PDL=0 at import builds them without it.
 # set_pdl() switches it at run time (kernels of both settings stay cached side by side).
-if os.environ.get("NVFP4_PDL", "1") not in ("0", "1"):
-    raise ValueError(f"NVFP4_PDL={os.environ['NVFP4_PDL']!r}: choose '0' or '1'")
-USE_PDL = os.environ.get("NVFP4_PDL", "1") == "1"
+USE_PDL = _choice_from_env("NVFP4_PDL", "1", ("0", "1")) == "1"
 
 
 def set_pdl(on: bool) -> None:
@@ -341,19 +352,6 @@ VARIANT_CONFIGS = {
 # Variants whose tile comes from the table per problem.
 TILE_TABLE_VARIANTS = frozenset({"persistent"})
 KERNEL_VARIANTS = tuple(VARIANT_CONFIGS)
-
-
-def _choice_from_env(variable: str, default: str, choices: tuple) -> str:
-    """Environment variable `variable` (`default` when unset or empty), which must be one of `choices`."""
-    value = os.environ.get(variable) or default
-    if value not in choices:
-        raise ValueError(f"{variable}={value!r}: choose one of {choices}")
-    return value
-
-
-def _check_choice(what: str, name: str, choices: tuple) -> None:
-    if name not in choices:
-        raise ValueError(f"unknown {what} {name!r}; choose one of {choices}")
 
 
 # A fresh interpreter (eval.py's spawned workers) can start on another variant through the environment;
@@ -590,6 +588,21 @@ def gmem_ptr(dtype, address: int, align: int):
     return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
 
+def group_tables(ptr_table_ptr, size_table_ptr, num_groups: int) -> tuple:
+    """The tables every kernel reads, as tensors: pointers int64 [G, PtrColumn], sizes int32 [G, SizeColumn]."""
+    return (
+        cute.make_tensor(ptr_table_ptr, cute.make_layout((num_groups, len(PtrColumn)), stride=(len(PtrColumn), 1))),
+        cute.make_tensor(size_table_ptr, cute.make_layout((num_groups, len(SizeColumn)),
+                                                          stride=(len(SizeColumn), 1))),
+    )
+
+
+def descriptor_table(workspace_ptr, num_rows, slots: int):
+    """A TMA-descriptor workspace as a tensor: [rows, slot, 16 x int64], 128 bytes per descriptor."""
+    words = TENSORMAP_BYTES // 8
+    return cute.make_tensor(workspace_ptr, cute.make_layout((num_rows, slots, words), stride=(slots * words, words, 1)))
+
+
 def launch_metadata_key(data, tile_mn: tuple = SM100_CONFIG.tile_mn) -> tuple:
     """Everything the launch metadata (pointer/size tables, descriptor workspace) is built from.
 
@@ -609,10 +622,7 @@ def launch_metadata_key(data, tile_mn: tuple = SM100_CONFIG.tile_mn) -> tuple:
 class LaunchMetadata:
     """Device data of one launch, kept alive as long as its cache entry."""
 
-    staging: torch.Tensor  # pinned host copy of the tables (a PinnedTableRing piece, read by the upload kernel)
-    tables: torch.Tensor  # the device buffer ptr_table and size_table live in
-    ptr_table: torch.Tensor  # int64 [G, PtrColumn]
-    size_table: torch.Tensor  # int32 [G, SizeColumn]
+    tables: torch.Tensor  # device buffer of the pointer table int64 [G, PtrColumn] and size table int32 [G, SizeColumn]
     workspace: torch.Tensor  # TMA descriptors (seed: 4 per tile; persistent: 5 per group or per CTA)
     num_tiles: int
     num_ctas: int
@@ -992,16 +1002,9 @@ class Sm100BlockScaledGroupedGemmKernel:
         num_groups: cutlass.Constexpr[int],
     ):
         cfg = self.config
-        ptr_table = cute.make_tensor(ptr_table_ptr, cute.make_layout((num_groups, len(PtrColumn)),
-                                                                     stride=(len(PtrColumn), 1)))
-        size_table = cute.make_tensor(size_table_ptr, cute.make_layout((num_groups, len(SizeColumn)),
-                                                                       stride=(len(SizeColumn), 1)))
+        ptr_table, size_table = group_tables(ptr_table_ptr, size_table_ptr, num_groups)
         # (tile, descriptor, 16 x int64): 512 bytes per CTA
-        words = TENSORMAP_BYTES // 8
-        tensormaps = cute.make_tensor(
-            tensormap_workspace_ptr,
-            cute.make_layout((num_tiles, self.num_tensormaps, words), stride=(self.num_tensormaps * words, words, 1)),
-        )
+        tensormaps = descriptor_table(tensormap_workspace_ptr, num_tiles, self.num_tensormaps)
 
         # The TMA atoms are made once on placeholder tensors; each CTA rewrites address and sizes in its
         # own copy of the descriptors.
@@ -1443,22 +1446,10 @@ class Sm100PersistentGroupedGemmKernel:
             raise ValueError(f"stage bytes: DSL A/B/SF {ab_stage_bytes}, C {c_stage_bytes}; config "
                              f"{cfg.ab_stage_bytes}, {cfg.c_stage_bytes}")
         return Sm100TmaSetup(
-            tiled_mma, loads.tiled_mma_sfb, a_smem_layout_staged, b_smem_layout_staged, sfa_smem_layout_staged, sfb_smem_layout_staged,
+            tiled_mma, loads.tiled_mma_sfb, a_smem_layout_staged, b_smem_layout_staged, sfa_smem_layout_staged,
+            sfb_smem_layout_staged,
             c_smem_layout_staged, epi_tile, (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, tma_atom_c),
             (mA_mkl, mB_nkl, mSFA_mkl, mSFB_nkl, mC_mnl), ab_stage_bytes)
-
-    @staticmethod
-    def _tables(ptr_table_ptr, size_table_ptr, tensormap_workspace_ptr, num_groups: int, num_rows):
-        """Pointer table [G, PtrColumn], size table [G, SizeColumn], descriptors [rows, slot, 16 x int64]."""
-        words = TENSORMAP_BYTES // 8
-        slots = len(Sm100TensorMapSlot)
-        return (
-            cute.make_tensor(ptr_table_ptr, cute.make_layout((num_groups, len(PtrColumn)), stride=(len(PtrColumn), 1))),
-            cute.make_tensor(size_table_ptr, cute.make_layout((num_groups, len(SizeColumn)),
-                                                              stride=(len(SizeColumn), 1))),
-            cute.make_tensor(tensormap_workspace_ptr, cute.make_layout((num_rows, slots, words),
-                                                                       stride=(slots * words, words, 1))),
-        )
 
     @cute.jit
     def __call__(
@@ -1471,8 +1462,9 @@ class Sm100PersistentGroupedGemmKernel:
         num_groups: cutlass.Constexpr[int],
     ):
         cfg = self.config
-        ptr_table, size_table, tensormaps = self._tables(ptr_table_ptr, size_table_ptr, tensormap_workspace_ptr,
-                                                         num_groups, self.config.workspace_rows(num_groups, num_ctas))
+        ptr_table, size_table = group_tables(ptr_table_ptr, size_table_ptr, num_groups)
+        tensormaps = descriptor_table(tensormap_workspace_ptr, self.config.workspace_rows(num_groups, num_ctas),
+                                      self.num_tensormaps)
         setup = self._tma_setup()
 
         @cute.struct
@@ -1935,8 +1927,8 @@ class Sm100GroupTensormapKernel:
         tensormap_workspace_ptr: cute.Pointer,
         num_groups: cutlass.Constexpr[int],
     ):
-        ptr_table, size_table, tensormaps = self.gemm._tables(ptr_table_ptr, size_table_ptr,
-                                                              tensormap_workspace_ptr, num_groups, num_groups)
+        ptr_table, size_table = group_tables(ptr_table_ptr, size_table_ptr, num_groups)
+        tensormaps = descriptor_table(tensormap_workspace_ptr, num_groups, self.gemm.num_tensormaps)
         setup = self.gemm._tma_setup()
         self.kernel(*setup.tma_atoms, ptr_table, size_table, tensormaps).launch(
             grid=(num_groups, 1, 1), block=(32, 1, 1), cluster=(1, 1, 1))
@@ -2237,8 +2229,7 @@ class Sm90BlockScaledGroupedGemmKernel:
     def __call__(self, ptrs_ptr: cute.Pointer, sizes_ptr: cute.Pointer, workspace_ptr: cute.Pointer,
                  total_tiles: cutlass.Int32, grid_x: cutlass.Int32):
         G = self.num_groups
-        ptrs = cute.make_tensor(ptrs_ptr, cute.make_layout((G, 5), stride=(5, 1)))
-        sizes = cute.make_tensor(sizes_ptr, cute.make_layout((G, 4), stride=(4, 1)))
+        ptrs, sizes = group_tables(ptrs_ptr, sizes_ptr, G)
         workspace = cute.make_tensor(workspace_ptr, cute.make_layout((1,)))
 
         # Template descriptors (address/shape/stride are rewritten per group in the kernel).
@@ -2948,8 +2939,10 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
         counts = (num_tiles,)
     workspace = aligned_device_buffer(workspace_bytes, TENSORMAP_BYTES, device)
     tables = (ptr_table.data_ptr(), size_table.data_ptr(), workspace.data_ptr())
-    return LaunchMetadata(staging, table_buffer, ptr_table, size_table, workspace, num_tiles, num_ctas,
-                          (*tables, *counts), tables)
+    # The tables reach the device on the kernels' own queue, ahead of every kernel that reads them.
+    upload = compiled_kernel(compile_key(len(data[3]), _target_arch(device), TABLE_UPLOAD_CONFIG, "upload"))
+    make_launcher(upload, (staging.data_ptr(), table_buffer.data_ptr()), upload_args)()
+    return LaunchMetadata(table_buffer, workspace, num_tiles, num_ctas, (*tables, *counts), tables)
 
 
 def kernel_config(data, device: torch.device):
@@ -2974,13 +2967,9 @@ def launch_metadata(data, device: torch.device, config=None) -> LaunchMetadata:
 
     def build():
         metadata = _build_launch_metadata(data, device, config)
-        # Queued ahead of everything that reads the tables, on the same queue: no host wait.
-        arch = _target_arch(device)
-        upload = compiled_kernel(compile_key(len(data[3]), arch, TABLE_UPLOAD_CONFIG, "upload"))
-        make_launcher(upload, (metadata.staging.data_ptr(), metadata.tables.data_ptr()), upload_args)()
         if "tensormaps" in kernel_parts(config):
             # Queued ahead of every GEMM that will use this workspace; it completes before they start.
-            prepare = compiled_kernel(compile_key(len(data[3]), arch, config, "tensormaps"))
+            prepare = compiled_kernel(compile_key(len(data[3]), _target_arch(device), config, "tensormaps"))
             make_launcher(prepare, metadata.table_args)()
         return metadata
 
