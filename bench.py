@@ -99,23 +99,35 @@ def torch_launch_us(calls: int = 3000) -> float:
     return host_us_per_call(lambda _: x.add_(1), [None] * 15, calls)
 
 
+def case_inputs(case) -> list:
+    """The NUM_INPUTS input sets of a benchmark case, seeded as the runner seeds them."""
+    return [reference.generate_input(**dict(case.args, seed=case.args["seed"] + 42 * (i + 1)))
+            for i in range(NUM_INPUTS)]
+
+
+def wrong(custom_kernel, case, inputs, what: str) -> bool:
+    """Checks custom_kernel on a copy of the first input; prints why and returns True if it is wrong."""
+    ok, msg = reference.check_implementation(inputs[0], custom_kernel(ev._clone_data(inputs[0])))
+    if not ok:
+        print(f"bench.py: {what} is wrong on {ev._short(case)}: {msg}", file=sys.stderr)
+    return not ok
+
+
 def pdl_ab(submission, cases, rounds: int, repeats: int) -> int:
     """Kernel µs per call with and without programmatic dependent launch, alternating (ABBA) in one process."""
     default = submission.USE_PDL
     print(f"programmatic dependent launch on vs off, {rounds} alternating rounds of {repeats} repeats each; "
           "µs per call (timing as above)")
     for case in cases:
-        inputs = [reference.generate_input(**dict(case.args, seed=case.args["seed"] + 42 * (i + 1)))
-                  for i in range(NUM_INPUTS)]
+        inputs = case_inputs(case)
         times = {True: [], False: []}
         for rnd in range(rounds):
             for on in (True, False) if rnd % 2 == 0 else (False, True):
                 submission.set_pdl(on)
-                if rnd < 2:  # each setting's kernel checked once
-                    ok, msg = reference.check_implementation(inputs[0], submission.custom_kernel(ev._clone_data(inputs[0])))
-                    if not ok:
-                        print(f"bench.py: wrong with PDL {'on' if on else 'off'} on {ev._short(case)}: {msg}", file=sys.stderr)
-                        return 1
+                # each setting's kernel checked once
+                setting = f"the kernel with PDL {'on' if on else 'off'}"
+                if rnd < 2 and wrong(submission.custom_kernel, case, inputs, setting):
+                    return 1
                 times[on].append(_time_per_call(submission.custom_kernel, inputs, repeats))
         diffs = [a - b for a, b in zip(times[True], times[False])]
         print(f"{ev._short(case)[:52]:<52} on {statistics.median(times[True]):8.2f}  off {statistics.median(times[False]):8.2f}"
@@ -154,12 +166,8 @@ def main(argv=None) -> int:
     rows = []
     for idx, case in enumerate(cases):
         print(f"[{idx + 1}/{len(cases)}] {ev._short(case)}", file=sys.stderr, flush=True)
-        inputs = []
-        for i in range(NUM_INPUTS):
-            inputs.append(reference.generate_input(**dict(case.args, seed=case.args["seed"] + 42 * (i + 1))))
-        ok, msg = reference.check_implementation(inputs[0], custom_kernel(ev._clone_data(inputs[0])))
-        if not ok:
-            print(f"bench.py: the kernel is wrong on {ev._short(case)}: {msg}", file=sys.stderr)
+        inputs = case_inputs(case)
+        if wrong(custom_kernel, case, inputs, "the kernel"):
             return 1
         times = {"kernel": _time_per_call(custom_kernel, inputs, args.repeats)}
         pre = [_dequantized_bf16(d) for d in inputs]
@@ -188,9 +196,7 @@ def main(argv=None) -> int:
         timed = {}
         for path in paths:
             submission.set_launch_path(path)
-            ok, msg = reference.check_implementation(inputs[0], custom_kernel(ev._clone_data(inputs[0])))
-            if not ok:
-                print(f"bench.py: launch path {path} is wrong on {ev._short(case)}: {msg}", file=sys.stderr)
+            if wrong(custom_kernel, case, inputs, f"launch path {path}"):
                 return 1
             timed[path] = (_time_per_call(custom_kernel, inputs, args.repeats), host_us_per_call(custom_kernel, inputs))
         submission.set_launch_path(default_path)
