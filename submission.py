@@ -24,7 +24,7 @@ How it runs on Blackwell (sm_100a): kernel variants (`KERNEL_VARIANT`, `set_vari
   shared-memory ring, warp 4 issues tcgen05 block-scaled MMAs into one of two tensor-memory accumulators,
   warps 0-3 move the finished accumulator to registers, fp16, shared memory and out by TMA store (rows past
   M clipped by the TMA unit). Each group's five TMA descriptors are written once per input set by a small
-  preparation kernel (`Sm100GroupTensormapKernel`); the GEMM only acquires them.
+  preparation kernel (`GroupTensormapKernel`); the GEMM only acquires them.
 * "persistent_per_cta": the same kernel with CUTLASS's descriptor scheme: each CTA keeps its own five
   descriptors and rewrites them when its next tile is in another group.
 * "seed" (`Sm100BlockScaledGroupedGemmKernel`): the leaderboard seed's proven structure, one CTA per
@@ -812,7 +812,7 @@ class TmaDescriptorRows:
     The workspace is rows of `len(Sm100TensorMapSlot)` 128-byte descriptors.
 
     up_front=True: row g holds group g's descriptors, written before the kernel by a preparation kernel
-      (`Sm100GroupTensormapKernel`). A role only acquires a group's row (fence.proxy.tensormap acquire)
+      (`GroupTensormapKernel`). A role only acquires a group's row (fence.proxy.tensormap acquire)
       when its tile changes group; `stage_from_atoms` and `patch` are never needed.
     up_front=False (CUTLASS's grouped example): row b belongs to CTA b. `stage_from_atoms` copies the
       host-made descriptors into this CTA's shared-memory staging slots once; `patch` rewrites a group's
@@ -822,28 +822,34 @@ class TmaDescriptorRows:
     the shared-memory staging pointer.
     """
 
-    def __init__(self, up_front: bool, tensormaps: cute.Tensor, cta_idx, smem_staging_ptr):
+    def __init__(self, up_front: bool, tensormaps: cute.Tensor, cta_idx, smem_staging_ptr=None):
         self.up_front = up_front
         self.tensormaps = tensormaps
         self.cta_idx = cta_idx
         # The struct member's pointer type only carries 8-byte alignment; the descriptor ops need the 128
-        # bytes that the shared-storage Align guarantees, so the pointer is remade with it.
-        self.smem_staging_ptr = cute.make_ptr(cutlass.Int64, smem_staging_ptr.toint(), cute.AddressSpace.smem,
-                                              assumed_align=TENSORMAP_BYTES)
+        # bytes that the shared-storage Align guarantees, so the pointer is remade with it. Up-front rows
+        # are only acquired and need no staging buffer (None).
+        self.smem_staging_ptr = None if smem_staging_ptr is None else cute.make_ptr(
+            cutlass.Int64, smem_staging_ptr.toint(), cute.AddressSpace.smem, assumed_align=TENSORMAP_BYTES)
         self.manager = TensorMapManager(TensorMapUpdateMode.SMEM, TENSORMAP_BYTES)
 
+    def _runtime_parts(self) -> tuple:
+        return (self.tensormaps, self.cta_idx) + (() if self.smem_staging_ptr is None else (self.smem_staging_ptr,))
+
     def __extract_mlir_values__(self):
-        parts = [cutlass.extract_mlir_values(x) for x in (self.tensormaps, self.cta_idx, self.smem_staging_ptr)]
+        parts = [cutlass.extract_mlir_values(x) for x in self._runtime_parts()]
         self._value_counts = [len(p) for p in parts]
         return [v for p in parts for v in p]
 
     def __new_from_mlir_values__(self, values):
-        n_tensormaps, n_cta, _ = self._value_counts
         new = object.__new__(TmaDescriptorRows)
         new.up_front, new.manager, new._value_counts = self.up_front, self.manager, self._value_counts
-        new.tensormaps = cutlass.new_from_mlir_values(self.tensormaps, values[:n_tensormaps])
-        new.cta_idx = cutlass.new_from_mlir_values(self.cta_idx, values[n_tensormaps:n_tensormaps + n_cta])
-        new.smem_staging_ptr = cutlass.new_from_mlir_values(self.smem_staging_ptr, values[n_tensormaps + n_cta:])
+        rebuilt, start = [], 0
+        for old, count in zip(self._runtime_parts(), self._value_counts):
+            rebuilt.append(cutlass.new_from_mlir_values(old, values[start:start + count]))
+            start += count
+        new.tensormaps, new.cta_idx = rebuilt[:2]
+        new.smem_staging_ptr = rebuilt[2] if len(rebuilt) > 2 else None
         return new
 
     def _row(self, group):
@@ -870,6 +876,10 @@ class TmaDescriptorRows:
         """Makes the row used for `group` visible to this thread's TMA operations."""
         for slot in slots:
             self.manager.fence_tensormap_update(self._gmem_ptr(self._row(group), slot))
+
+    def address(self, group, slot) -> cutlass.Int64:
+        """Global address of the descriptor used for `group` in `slot` (for hand-written TMA instructions)."""
+        return self._gmem_ptr(self._row(group), slot).toint()
 
     def for_tma(self, group, slots: tuple) -> tuple:
         """Generic-address descriptor pointers for the TMA copies of a tile of `group`."""
@@ -1388,7 +1398,7 @@ class Sm100PersistentGroupedGemmKernel:
 
     Descriptors (config.descriptors_up_front):
       True   one row of 5 descriptors per group, written once per input set by `prepare_tensormaps`
-             (`Sm100GroupTensormapKernel`, one CTA per group) before the first launch on it; the roles
+             (`GroupTensormapKernel`, one CTA per group) before the first launch on it; the roles
              only acquire (fence.proxy.tensormap) a group's row when their tile changes group.
       False  CUTLASS's grouped example: one row per CTA; the TMA warp (A/B/SFA/SFB) and epilogue warp 0 (C)
              copy the host-made descriptors to shared memory once, and when the tile's group changes patch
@@ -1450,6 +1460,26 @@ class Sm100PersistentGroupedGemmKernel:
             sfb_smem_layout_staged,
             c_smem_layout_staged, epi_tile, (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, tma_atom_c),
             (mA_mkl, mB_nkl, mSFA_mkl, mSFB_nkl, mC_mnl), ab_stage_bytes)
+
+    # ---- what `GroupTensormapKernel` needs to prepare this kernel's descriptors -----------------------------
+    descriptor_slots = tuple(Sm100TensorMapSlot)
+
+    def descriptor_atoms(self) -> tuple:
+        """The TMA atoms of the descriptors, in `descriptor_slots` order (host side of a jit function)."""
+        return self._tma_setup().tma_atoms
+
+    def group_descriptor_tensors(self, ptr_table: cute.Tensor, size_table: cute.Tensor, group) -> tuple:
+        """Group `group`'s global tensors, in `descriptor_slots` order (device side)."""
+        cfg = self.config
+        m = size_table[group, int(SizeColumn.M)]
+        n = size_table[group, int(SizeColumn.N)]
+        k = size_table[group, int(SizeColumn.K)]
+        return (
+            *make_operand_tensors(ptr_table[group, int(PtrColumn.A)], ptr_table[group, int(PtrColumn.B)],
+                                  ptr_table[group, int(PtrColumn.SFA)], ptr_table[group, int(PtrColumn.SFB)],
+                                  m, n, k, cfg.ab_dtype, cfg.sf_dtype, cfg.sf_vec_size),
+            make_output_tensor(ptr_table[group, int(PtrColumn.C)], m, n, cfg.c_dtype),
+        )
 
     @cute.jit
     def __call__(
@@ -1907,16 +1937,19 @@ class Sm100PersistentGroupedGemmKernel:
         return sm100_s2t_copy_and_partition(self.config.sf_dtype, sSF, tCtSF)
 
 
-class Sm100GroupTensormapKernel:
-    """Writes every group's five TMA descriptors for `Sm100PersistentGroupedGemmKernel` (descriptors_up_front).
+class GroupTensormapKernel:
+    """Writes every group's TMA descriptors for a GEMM whose descriptors are prepared up front (the Blackwell
+    persistent kernel with descriptors_up_front, and the Hopper kernel): both arches run this code.
 
     Grid (G, 1, 1), one warp per CTA: CTA g copies the GEMM's host-made descriptors (the same atoms, built
-    by the same `_tma_setup`) into shared memory, patches in group g's addresses and sizes and releases
-    them to workspace row g. Launched once per input set, on a launch-metadata cache miss, ahead of the
-    first GEMM on that workspace (same queue, so the GEMM starts after it completes).
+    by the GEMM's own `descriptor_atoms`) into shared memory, patches in group g's addresses and sizes
+    (`group_descriptor_tensors`) and releases them to workspace row g. Launched once per input set, on a
+    launch-metadata miss, after the table upload and ahead of the first GEMM on that workspace, on the same
+    queue: the GEMM (launched with programmatic dependent launch) waits for it before its first global
+    access and only acquires a row when its tile changes group.
     """
 
-    def __init__(self, gemm: "Sm100PersistentGroupedGemmKernel"):
+    def __init__(self, gemm):
         self.gemm = gemm
 
     @cute.jit
@@ -1928,48 +1961,26 @@ class Sm100GroupTensormapKernel:
         num_groups: cutlass.Constexpr[int],
     ):
         ptr_table, size_table = group_tables(ptr_table_ptr, size_table_ptr, num_groups)
-        tensormaps = descriptor_table(tensormap_workspace_ptr, num_groups, self.gemm.num_tensormaps)
-        setup = self.gemm._tma_setup()
-        self.kernel(*setup.tma_atoms, ptr_table, size_table, tensormaps).launch(
+        tensormaps = descriptor_table(tensormap_workspace_ptr, num_groups, len(self.gemm.descriptor_slots))
+        self.kernel(self.gemm.descriptor_atoms(), ptr_table, size_table, tensormaps).launch(
             grid=(num_groups, 1, 1), block=(32, 1, 1), cluster=(1, 1, 1))
 
     @cute.kernel
-    def kernel(
-        self,
-        tma_atom_a: cute.CopyAtom,
-        tma_atom_b: cute.CopyAtom,
-        tma_atom_sfa: cute.CopyAtom,
-        tma_atom_sfb: cute.CopyAtom,
-        tma_atom_c: cute.CopyAtom,
-        ptr_table: cute.Tensor,
-        size_table: cute.Tensor,
-        tensormaps: cute.Tensor,
-    ):
-        cfg = self.gemm.config
+    def kernel(self, atoms: tuple, ptr_table: cute.Tensor, size_table: cute.Tensor, tensormaps: cute.Tensor):
         group, _, _ = cute.arch.block_idx()
+        slots = self.gemm.descriptor_slots
 
         @cute.struct
         class SharedStorage:
             tensormap_buffer: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Int64, len(Sm100TensorMapSlot) * TENSORMAP_BYTES // 8], TENSORMAP_BYTES
+                cute.struct.MemRange[cutlass.Int64, len(slots) * TENSORMAP_BYTES // 8], TENSORMAP_BYTES
             ]
 
         storage = SmemAllocator().allocate(SharedStorage)
         # Staging as a per-CTA row does, but released to row `group` (`patch` writes the CTA's row).
         rows = TmaDescriptorRows(False, tensormaps, group, storage.tensormap_buffer.data_ptr())
-        atoms = (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, tma_atom_c)
-        slots = tuple(Sm100TensorMapSlot)
         rows.stage_from_atoms(atoms, slots, 0)
-        m = size_table[group, int(SizeColumn.M)]
-        n = size_table[group, int(SizeColumn.N)]
-        k = size_table[group, int(SizeColumn.K)]
-        tensors = (
-            *make_operand_tensors(ptr_table[group, int(PtrColumn.A)], ptr_table[group, int(PtrColumn.B)],
-                                  ptr_table[group, int(PtrColumn.SFA)], ptr_table[group, int(PtrColumn.SFB)],
-                                  m, n, k, cfg.ab_dtype, cfg.sf_dtype, cfg.sf_vec_size),
-            make_output_tensor(ptr_table[group, int(PtrColumn.C)], m, n, cfg.c_dtype),
-        )
-        rows.patch(tensors, atoms, slots, 0)
+        rows.patch(self.gemm.group_descriptor_tensors(ptr_table, size_table, group), atoms, slots, 0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -2159,32 +2170,23 @@ def fp4x8_to_f16x2x4(word, scale_f16x2, *, loc=None, ip=None):
     return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
-@dsl_user_op
-def tensormap_ptr(addr_i64, *, loc=None, ip=None):
-    """A 128-byte aligned global address as a TMA-descriptor pointer (for the tensormap ops)."""
-    value = cutlass.Int64(addr_i64).ir_value(loc=loc, ip=ip)
-    aligned_ty = _cute_ir.ConstrainedIntType.get(128, value.type.width)
-    aligned = _cute_ir.assume(aligned_ty, value, loc=loc, ip=ip)
-    ptr_ty = _cute_ir.PtrType.get(_cute_nvgpu_ir.TmaDescriptorTiledType.get(), cute.AddressSpace.gmem, 128)
-    return _cute_ir.inttoptr(ptr_ty, aligned, loc=loc, ip=ip)
-
-
-@cute.jit
-def update_tensormap_in_gmem(tma_atom: cute.CopyAtom, tensor: cute.Tensor, desc_addr: cutlass.Int64):
-    """Rewrites address/shape/stride of the descriptor at desc_addr (global) for `tensor` and makes it
-    visible to the TMA unit. Executed by a whole warp."""
-    ptr = tensormap_ptr(desc_addr)
-    cpasync.update_tma_descriptor(tma_atom, tensor, ptr)
-    cute.arch.sync_warp()
-    cpasync.fence_tma_desc_release()
-    cpasync.fence_tma_desc_acquire(ptr)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Hopper (sm_90a) kernel
 # ---------------------------------------------------------------------------------------------------------
+class Sm90TensorMapSlot(enum.IntEnum):
+    """The Hopper kernel's TMA descriptors of one group, in workspace order."""
+
+    A = 0
+    B = 1
+    C = 2  # C^T view (n contiguous), stored by both consumer warpgroups
+
+
 class Sm90BlockScaledGroupedGemmKernel:
     """Grouped NVFP4 GEMM for sm_90a; see the module docstring for roles, pipelines and encodings.
+
+    Descriptors: one row of three (A, B, C^T) per group, written once per input set by
+    `GroupTensormapKernel` (the Blackwell persistent kernel's scheme and code); the producer and the
+    consumers only acquire a group's row when their tile changes group.
 
     blocks_per_wg (bpw, compile time) = 64-row blocks of B per consumer warpgroup: 1 -> tile 128 (n) x 128
     (m); 2 -> tile 256 x 128 (each fp16 A buffer feeds twice the MMA work: ~25 % less time per MAC on the
@@ -2200,8 +2202,7 @@ class Sm90BlockScaledGroupedGemmKernel:
     A16_BYTES = 128 * 128 * 2  # one fp16 A buffer: 128 rows x 128 k
     C_BYTES = 128 * 64 * 2  # one epilogue slab per consumer warpgroup: 128 m x 64 n fp16
     NUM_A16 = 3
-    DESC_BYTES = 128
-    DESCS_PER_CTA = 4  # A, B, C (consumer 0), C (consumer 1)
+    descriptor_slots = tuple(Sm90TensorMapSlot)
 
     def __init__(self, num_groups: int, config: "Sm90GemmConfig"):
         blocks_per_wg, num_stages = config.blocks_per_wg, config.num_stages
@@ -2225,14 +2226,9 @@ class Sm90BlockScaledGroupedGemmKernel:
         return (group, sizes[group, int(SizeColumn.M)], sizes[group, int(SizeColumn.N)],
                 sizes[group, int(SizeColumn.K)])
 
-    @cute.jit
-    def __call__(self, ptrs_ptr: cute.Pointer, sizes_ptr: cute.Pointer, workspace_ptr: cute.Pointer,
-                 total_tiles: cutlass.Int32, grid_x: cutlass.Int32):
-        G = self.num_groups
-        ptrs, sizes = group_tables(ptrs_ptr, sizes_ptr, G)
-        workspace = cute.make_tensor(workspace_ptr, cute.make_layout((1,)))
-
-        # Template descriptors (address/shape/stride are rewritten per group in the kernel).
+    def descriptor_atoms(self) -> tuple:
+        """TMA atoms on placeholder tensors, in `descriptor_slots` order (host side of a jit function); each
+        group's descriptors get its real addresses and sizes (`group_descriptor_tensors`)."""
         fp4_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, cutlass.Uint8)
         null_u8 = cute.make_ptr(cutlass.Uint8, 0, cute.AddressSpace.gmem, assumed_align=16)
         template_ab = cute.make_tensor(null_u8, cute.make_layout((512, 128), stride=(128, 1)))
@@ -2247,6 +2243,31 @@ class Sm90BlockScaledGroupedGemmKernel:
         template_c = cute.make_tensor(null_f16, cute.make_layout((256, 256), stride=(1, 256)))
         tma_c, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), template_c,
                                                c_smem_layout, (64, self.tile_m))
+        return tma_a, tma_b, tma_c
+
+    def group_descriptor_tensors(self, ptrs: cute.Tensor, sizes: cute.Tensor, group) -> tuple:
+        """Group `group`'s global tensors, in `descriptor_slots` order (device side): A and B as fp4 bytes
+        (rows, K / 2), C transposed as (N, M) with n contiguous."""
+        _, m_size, n_size, k_size = self.group_sizes(sizes, group)
+        kb = k_size // 2
+        a_tensor = cute.make_tensor(
+            cute.make_ptr(cutlass.Uint8, ptrs[group, int(PtrColumn.A)], cute.AddressSpace.gmem, assumed_align=16),
+            cute.make_layout((m_size, kb), stride=(kb, 1)))
+        b_tensor = cute.make_tensor(
+            cute.make_ptr(cutlass.Uint8, ptrs[group, int(PtrColumn.B)], cute.AddressSpace.gmem, assumed_align=16),
+            cute.make_layout((n_size, kb), stride=(kb, 1)))
+        c_tensor = cute.make_tensor(
+            cute.make_ptr(cutlass.Float16, ptrs[group, int(PtrColumn.C)], cute.AddressSpace.gmem, assumed_align=16),
+            cute.make_layout((n_size, m_size), stride=(1, n_size)))
+        return a_tensor, b_tensor, c_tensor
+
+    @cute.jit
+    def __call__(self, ptrs_ptr: cute.Pointer, sizes_ptr: cute.Pointer, workspace_ptr: cute.Pointer,
+                 total_tiles: cutlass.Int32, grid_x: cutlass.Int32):
+        G = self.num_groups
+        ptrs, sizes = group_tables(ptrs_ptr, sizes_ptr, G)
+        tensormaps = descriptor_table(workspace_ptr, G, len(self.descriptor_slots))
+        tma_a, tma_b, tma_c = self.descriptor_atoms()
 
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             cutlass.Float16, cutlass.Float16, _OperandMajorMode.K, _OperandMajorMode.K, cutlass.Float32,
@@ -2267,13 +2288,12 @@ class Sm90BlockScaledGroupedGemmKernel:
 
         self.shared_storage = SharedStorage
 
-        self.kernel(tma_a, tma_b, tma_c, tiled_mma, a16_layout, ptrs, sizes, workspace, total_tiles).launch(
+        self.kernel(tiled_mma, a16_layout, ptrs, sizes, tensormaps, total_tiles).launch(
             grid=(grid_x, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, use_pdl=self.config.use_pdl)
 
     @cute.kernel
-    def kernel(self, tma_a: cute.CopyAtom, tma_b: cute.CopyAtom, tma_c: cute.CopyAtom,
-               tiled_mma: cute.TiledMma, a16_layout: cute.ComposedLayout, ptrs: cute.Tensor,
-               sizes: cute.Tensor, workspace: cute.Tensor, total_tiles: cutlass.Int32):
+    def kernel(self, tiled_mma: cute.TiledMma, a16_layout: cute.ComposedLayout, ptrs: cute.Tensor,
+               sizes: cute.Tensor, tensormaps: cute.Tensor, total_tiles: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -2305,39 +2325,30 @@ class Sm90BlockScaledGroupedGemmKernel:
         if cutlass.const_expr(self.config.use_pdl):
             cute.arch.griddepcontrol_wait()
 
-        ws_cta = workspace.iterator.toint() + cutlass.Int64(bid) * (self.DESCS_PER_CTA * self.DESC_BYTES)
+        descriptors = TmaDescriptorRows(True, tensormaps, bid)
 
         if warp < 4:
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
             if warp == 0:
-                self.producer(tma_a, tma_b, ptrs, sizes, ws_cta, total_tiles, bid, grid, full_bar,
-                              empty_bar, stages)
+                self.producer(ptrs, sizes, descriptors, total_tiles, bid, grid, full_bar, empty_bar, stages)
         elif warp < 8:
             cute.arch.warpgroup_reg_dealloc(self.transform_regs)
             self.transform(sizes, total_tiles, bid, grid, tidx, full_bar, empty_bar, stages, a16_base,
                            a16_full, a16_empty)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
-            self.consumer(tma_c, tiled_mma, sA16, ptrs, sizes, ws_cta, total_tiles, bid, grid, tidx, warp,
+            self.consumer(tiled_mma, sA16, ptrs, sizes, descriptors, total_tiles, bid, grid, tidx, warp,
                           full_bar, empty_bar, stages, a16_full, a16_empty, c_base)
 
     # -----------------------------------------------------------------------------------------------
     # Producer warp
     # -----------------------------------------------------------------------------------------------
     @cute.jit
-    def producer(self, tma_a, tma_b, ptrs, sizes, ws_cta, total_tiles, bid, grid, full_bar, empty_bar,
-                 stages):
+    def producer(self, ptrs, sizes, descriptors, total_tiles, bid, grid, full_bar, empty_bar, stages):
         lane = cute.arch.lane_idx()
         leader = cutlass.Int32(0)
         if lane == 0:
             leader = cutlass.Int32(1)
-        desc_a = ws_cta
-        desc_b = ws_cta + self.DESC_BYTES
-        if lane == 0:
-            cpasync.copy_tensormap(tma_a, tensormap_ptr(desc_a))
-            cpasync.copy_tensormap(tma_b, tensormap_ptr(desc_b))
-        cute.arch.sync_warp()
-
         chunk = cutlass.Int32(0)
         last_g = cutlass.Int32(-1)
         scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
@@ -2347,23 +2358,17 @@ class Sm90BlockScaledGroupedGemmKernel:
             group, group_first, group_tiles = scheduler.find_group(tile, group, group_first, group_tiles)
             g, m_size, n_size, k_size = self.group_sizes(sizes, group)
             m_tile, n_tile = scheduler.tile_coord(tile, group_first, m_size)
+            # Warp-uniform group: the descriptor addresses stay in uniform registers for the TMA issue.
+            g = cute.arch.make_warp_uniform(g)
             if g != last_g:
-                if chunk > 0:
-                    # Drain: every load issued with the old descriptors has landed and been consumed.
-                    last = chunk - 1
-                    mbar_wait(empty_bar + 8 * (last % self.num_stages), (last // self.num_stages) % 2)
-                kb = k_size // 2
-                a_tensor = cute.make_tensor(
-                    cute.make_ptr(cutlass.Uint8, ptrs[g, 0], cute.AddressSpace.gmem, assumed_align=16),
-                    cute.make_layout((m_size, kb), stride=(kb, 1)))
-                b_tensor = cute.make_tensor(
-                    cute.make_ptr(cutlass.Uint8, ptrs[g, 1], cute.AddressSpace.gmem, assumed_align=16),
-                    cute.make_layout((n_size, kb), stride=(kb, 1)))
-                update_tensormap_in_gmem(tma_a, a_tensor, desc_a)
-                update_tensormap_in_gmem(tma_b, b_tensor, desc_b)
+                # Group g's row was written by the preparation kernel and is never rewritten: loads still in
+                # flight on the previous group's row need no drain.
+                descriptors.acquire(g, (Sm90TensorMapSlot.A, Sm90TensorMapSlot.B))
                 last_g = g
-            sfa = ptrs[g, 3]
-            sfb = ptrs[g, 4]
+            desc_a = descriptors.address(g, Sm90TensorMapSlot.A)
+            desc_b = descriptors.address(g, Sm90TensorMapSlot.B)
+            sfa = ptrs[g, int(PtrColumn.SFA)]
+            sfb = ptrs[g, int(PtrColumn.SFB)]
             rest_k = k_size // 64
             sfa_row = cutlass.Int64(m_tile * rest_k) * 512
             for c in range(k_size // self.k_chunk):
@@ -2435,7 +2440,7 @@ class Sm90BlockScaledGroupedGemmKernel:
     # Consumer warpgroups
     # -----------------------------------------------------------------------------------------------
     @cute.jit
-    def consumer(self, tma_c, tiled_mma, sA16, ptrs, sizes, ws_cta, total_tiles, bid, grid, tidx, warp,
+    def consumer(self, tiled_mma, sA16, ptrs, sizes, descriptors, total_tiles, bid, grid, tidx, warp,
                  full_bar, empty_bar, stages, a16_full, a16_empty, c_base):
         # warp-uniform values stay in uniform registers (TMA operands must not need a predicated R2UR)
         wg = warp // 4 - 2
@@ -2445,10 +2450,6 @@ class Sm90BlockScaledGroupedGemmKernel:
         leader = cutlass.Int32(0)
         if tid == 0:
             leader = cutlass.Int32(1)
-        desc_c = ws_cta + (2 + wg) * self.DESC_BYTES
-        if tid == 0:
-            cpasync.copy_tensormap(tma_c, tensormap_ptr(desc_c))
-        cute.arch.sync_warp()
 
         thr_mma = tiled_mma.get_slice(tid)
         # (MMA, MMA_N, MMA_K, A16 buffer)
@@ -2479,16 +2480,12 @@ class Sm90BlockScaledGroupedGemmKernel:
             group, group_first, group_tiles = scheduler.find_group(tile, group, group_first, group_tiles)
             g, m_size, n_size, k_size = self.group_sizes(sizes, group)
             m_tile, n_tile = scheduler.tile_coord(tile, group_first, m_size)
+            g = cute.arch.make_warp_uniform(g)
             if g != last_g:
-                if w == 0:
-                    if lane == 0:
-                        bulk_wait_all()
-                    cute.arch.sync_warp()
-                    c_tensor = cute.make_tensor(
-                        cute.make_ptr(cutlass.Float16, ptrs[g, 2], cute.AddressSpace.gmem, assumed_align=16),
-                        cute.make_layout((n_size, m_size), stride=(1, n_size)))
-                    update_tensormap_in_gmem(tma_c, c_tensor, desc_c)
+                if tid == 0:  # the thread that issues this warpgroup's TMA stores
+                    descriptors.acquire(g, (Sm90TensorMapSlot.C,))
                 last_g = g
+            desc_c = descriptors.address(g, Sm90TensorMapSlot.C)
 
             for blk in cutlass.range_constexpr(self.bpw):
                 accs[blk].fill(0.0)
@@ -2602,6 +2599,8 @@ def _compile(key: tuple) -> Callable:
     tables = kernel_args((0, 0, 0))
     if isinstance(config, Sm90GemmConfig) and arch.startswith("sm_90"):
         kernel = Sm90BlockScaledGroupedGemmKernel(num_groups, config)
+        if part == "tensormaps":
+            return cute.compile(GroupTensormapKernel(kernel), *tables, num_groups, **options)
         return cute.compile(kernel, *kernel_args((0, 0, 0, 1, 1)), **options)
     if not (arch.startswith("sm_10") and not isinstance(config, Sm90GemmConfig)):
         raise UnsupportedDeviceError(f"no kernel for {arch} with {type(config).__name__}: kernels exist for "
@@ -2609,7 +2608,7 @@ def _compile(key: tuple) -> Callable:
     if isinstance(config, Sm100PersistentConfig):
         kernel = Sm100PersistentGroupedGemmKernel(config)
         if part == "tensormaps":
-            return cute.compile(Sm100GroupTensormapKernel(kernel), *tables, num_groups, **options)
+            return cute.compile(GroupTensormapKernel(kernel), *tables, num_groups, **options)
         return cute.compile(kernel, *kernel_args((0, 0, 0, 1, 1)), num_groups, **options)
     kernel = Sm100BlockScaledGroupedGemmKernel(config)
     return cute.compile(kernel, *kernel_args((0, 0, 0, 1)), num_groups, **options)
@@ -2757,7 +2756,8 @@ def _check_device(device: torch.device) -> None:
 
 def kernel_parts(config) -> tuple:
     """The compiled kernels a variant launches: the GEMM, and the descriptor preparation where it has one."""
-    if isinstance(config, Sm100PersistentConfig) and config.descriptors_up_front:
+    if isinstance(config, Sm90GemmConfig) or (isinstance(config, Sm100PersistentConfig)
+                                              and config.descriptors_up_front):
         return ("gemm", "tensormaps")
     return ("gemm",)
 
@@ -2927,7 +2927,7 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
     num_tiles = num_output_tiles(data[3], config.tile_mn)
     if isinstance(config, Sm90GemmConfig):
         num_ctas = min(num_tiles, _device_sm_count(device.index))
-        workspace_bytes = num_ctas * Sm90BlockScaledGroupedGemmKernel.DESCS_PER_CTA * TENSORMAP_BYTES
+        workspace_bytes = len(data[3]) * len(Sm90BlockScaledGroupedGemmKernel.descriptor_slots) * TENSORMAP_BYTES
         counts = (num_tiles, num_ctas)
     elif isinstance(config, Sm100PersistentConfig):
         num_ctas = min(num_tiles, _device_sm_count(device.index))
