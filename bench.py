@@ -130,37 +130,82 @@ def pdl_ab(submission, cases, rounds: int, repeats: int) -> int:
                     return 1
                 times[on].append(_time_per_call(submission.custom_kernel, inputs, repeats))
         diffs = [a - b for a, b in zip(times[True], times[False])]
-        print(f"{ev._short(case)[:52]:<52} on {statistics.median(times[True]):8.2f}  off {statistics.median(times[False]):8.2f}"
+        print(f"{ev.fit_label(ev._short(case), 52):<52} on {statistics.median(times[True]):8.2f}"
+              f"  off {statistics.median(times[False]):8.2f}"
               f"  paired diff median {statistics.median(diffs):+6.2f} (min {min(diffs):+.2f}, max {max(diffs):+.2f})",
               flush=True)
     submission.set_pdl(default)
     return 0
 
 
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def plot_problem(path: str):
+    """Why a plot cannot be written to `path` (checked before any timing, which takes minutes), or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return "--plot needs matplotlib, which does not import: pip install -e '.[plot]' (or pip install matplotlib)"
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(path).suffix[1:].lower()
+    if suffix not in formats:
+        return f"--plot {path}: matplotlib cannot write {'.' + suffix if suffix else 'a file without a suffix'}; " \
+               f"use one of {', '.join('.' + f for f in sorted(formats))}"
+    if not Path(path).resolve().parent.is_dir():
+        return f"--plot {path}: directory {Path(path).resolve().parent} does not exist"
+    return None
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"))
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--plot", metavar="PNG", help="write a roofline plot of the four methods")
+    parser = ev.OneLineArgumentParser(prog="bench.py", description=__doc__,
+                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"),
+                        help="task.yml (its benchmarks; the default) or a runner text file")
+    parser.add_argument("--repeats", type=_positive_int, default=10)
+    parser.add_argument("--plot", metavar="PNG", help="write a roofline plot of the four methods (needs matplotlib)")
     parser.add_argument("--skip-slow", action="store_true", help="leave out dequant+mm (slowest baseline)")
     parser.add_argument("--launch-paths", metavar="P,Q", help="also time these launch paths (submission.LAUNCH_PATHS)")
-    parser.add_argument("--pdl-ab", metavar="ROUNDS", type=int,
+    parser.add_argument("--pdl-ab", metavar="ROUNDS", type=_positive_int,
                         help="only time the kernel with and without programmatic dependent launch, alternating")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench.py: no usable CUDA GPU", file=sys.stderr)
-        return 2
-    import submission
+    # Every mistake is reported before the GPU check and before any timing.
+    problem = plot_problem(args.plot) if args.plot else None
+    if problem:
+        return ev.usage_error("bench.py", problem)
+    try:
+        cases = ev.load_cases(args.cases, "benchmarks")
+    except ev.CaseFileError as err:
+        return ev.usage_error("bench.py", str(err))
+    try:
+        import submission
+    except Exception as err:
+        return ev.usage_error("bench.py", f"cannot import submission.py: {type(err).__name__}: {err}")
     from submission import custom_kernel
 
     default_path = submission.LAUNCH_PATH
-    paths = args.launch_paths.split(",") if args.launch_paths else []
-    for path in paths:
-        submission.set_launch_path(path)  # unknown or unusable names fail here, before any timing
-    submission.set_launch_path(default_path)
+    paths = [p for p in args.launch_paths.split(",") if p] if args.launch_paths is not None else []
+    if args.launch_paths is not None and not paths:
+        return ev.usage_error("bench.py", f"--launch-paths names no launch path; choose from "
+                                          f"{', '.join(submission.LAUNCH_PATHS)}")
+    try:
+        for path in paths:
+            submission.set_launch_path(path)  # unknown or unusable names fail here
+    except ValueError as err:
+        return ev.usage_error("bench.py", f"--launch-paths: {err}")
+    finally:
+        submission.set_launch_path(default_path)
+    if not torch.cuda.is_available():
+        return ev.usage_error("bench.py", f"no usable CUDA GPU (torch {torch.__version__}, "
+                                          "torch.cuda.is_available() is False)")
     by_path = []  # (case, {path: (kernel µs, host µs)})
 
-    cases = ev.load_cases(args.cases, "benchmarks")
     if args.pdl_ab:
         return pdl_ab(submission, cases, args.pdl_ab, args.repeats)
     rows = []
@@ -219,7 +264,7 @@ def main(argv=None) -> int:
             geo[n].append(times[n])
             ratio = "" if n == "kernel" else f" ({times[n] / times['kernel']:.1f}×)"
             cells.append(f"{times[n]:>{16 - len(ratio)}.1f}{ratio}")
-        print(f"{ev._short(case)[:52]:<52}" + "".join(cells)
+        print(f"{ev.fit_label(ev._short(case), 52):<52}" + "".join(cells)
               + f"{floors['bf16 floor']:>12.1f}{floors['fp4-bytes floor']:>11.1f}{host:>9.1f}")
     geo_line = f"{'geometric mean':<52}"
     for n in names:
@@ -231,21 +276,19 @@ def main(argv=None) -> int:
               f"kernel launch costs {torch_launch_us():.1f} µs of host time")
         print(f"{'case':<52}" + "".join(f"{p:>22}" for p in paths))
         for case, timed in by_path:
-            print(f"{ev._short(case)[:52]:<52}" + "".join(f"{timed[p][0]:>13.1f} / {timed[p][1]:>5.1f}" for p in paths))
+            print(f"{ev.fit_label(ev._short(case), 52):<52}"
+                  + "".join(f"{timed[p][0]:>13.1f} / {timed[p][1]:>5.1f}" for p in paths))
     if args.plot:
         _plot(rows, args.plot, gpu)
     return 0
 
 
 def _plot(rows, path: str, gpu: str) -> None:
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("bench.py: --plot needs matplotlib; no plot written", file=sys.stderr)
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 5))
     xs = [10 ** (i / 20) for i in range(0, 81)]
     ax.plot(xs, [min(H200_BF16_FLOPS, x * H200_BYTES_PER_S) / 1e12 for x in xs], "k-", lw=1, label="H200 bf16 roof")

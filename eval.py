@@ -12,13 +12,27 @@ Two ways to run it:
   otherwise); the runner's one-case-per-line text format is read too. `--variants persistent,seed` runs
   the mode once per B200 kernel variant of the submission (its KERNEL_VARIANTS), one table each.
 
-`python eval.py compile [--arch sm_100a|sm_90a] [FILE]` needs no GPU: it builds the kernel for the group
-count of every case and prints, per case, OK or the error, registers and shared memory per CTA and the
-counts of the SASS instructions that matter. It needs `cuobjdump` and `nvdisasm` (the
-nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels).
+`python eval.py compile [--arch sm_100a|sm_90a] [--variant NAME] [--groups G ...] [FILE]` needs no GPU: it
+builds every kernel the cases of FILE would run (the tile custom_kernel picks for each case on a B200 with
+148 SMs, or an H100/H200 with 132; one kernel per tile and group count) and prints one row per kernel: OK
+or the error, registers, shared and tensor memory per CTA and the counts of the SASS instructions that
+matter; then the kernel of every case. It needs `cuobjdump` and `nvdisasm` (the nvidia-cuda-cuobjdump and
+nvidia-cuda-nvdisasm wheels); `python eval.py compile --help` lists the variants of each arch.
+
+A mistake (an unknown mode or option, a case file that does not parse, an unknown key in a case) ends in
+one line on stderr naming it and exit status 2 (113 for a bad case file with `POPCORN_FD` set, as the
+runner).
+
+`python eval.py bringup [--quick] [--json PATH]` (a B200, or an H100/H200 for the Hopper tiles): the first run
+on a new GPU: the environment, every kernel variant through every task.yml test and edge cases (outputs
+poisoned, each variant in its own worker process with timeouts), the benchmarks of every variant that passed,
+and the fastest passing variant with the one line that makes it the default (bringup.py).
+`python eval.py export --variant NAME -o FILE` needs no GPU: a copy of submission.py whose default variant is
+NAME, checked against the leaderboard's file rules.
 
 Run modes need a CUDA GPU; without one they exit with status 2 and a one-line reason.
 """
+import argparse
 import base64
 import dataclasses
 import json
@@ -88,10 +102,18 @@ def _parse_value(text: str):
 def parse_case_line(line: str, lineno: int = 0) -> TestCase:
     """One line of the runner's text format: `m: [64, 72]; n: [128, 384]; k: [512, 512]; g: 2; seed: 1111`."""
     args = {}
-    for part in line.split(";"):
+    parts = line.split(";")
+    for index, part in enumerate(parts):
+        bad = f"line {lineno}: invalid test case {line.strip()!r}"
+        if not part.strip():
+            # The runner rejects these too (exit 113), so they are caught here rather than on the leaderboard.
+            where = "nothing after the last ';'" if index == len(parts) - 1 and index else "an empty part before a ';'"
+            raise CaseFileError(f"{bad}: {where} (parts are key: value, separated by ';')")
         matched = _PART.fullmatch(part)
         if not matched:
-            raise CaseFileError(f"line {lineno}: invalid test case {line.strip()!r}: cannot parse {part.strip()!r}")
+            raise CaseFileError(f"{bad}: cannot parse {part.strip()!r} (expected key: value)")
+        if matched[1] in args:
+            raise CaseFileError(f"{bad}: key {matched[1]!r} given twice")
         args[matched[1]] = _parse_value(matched[2])
     return TestCase(args=args, spec=line)
 
@@ -103,16 +125,83 @@ def _spec_of(args: dict) -> str:
     return "; ".join(f"{key}: {fmt(val)}" for key, val in args.items())
 
 
-def _check_case(case: TestCase, where: str) -> TestCase:
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value) -> str:
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)
+
+
+def _check_case(case: TestCase, where: str, extra_keys: tuple = ()) -> TestCase:
+    """Rejects here what generate_input would only trip over later, deep in a worker process."""
+    allowed = GENERATOR_KEYS + extra_keys
+    unknown = [key for key in case.args if key not in allowed]
+    if unknown:
+        raise CaseFileError(f"{where}: unknown key {unknown[0]!r}; a case has {', '.join(allowed)}")
     missing = [key for key in GENERATOR_KEYS if key not in case.args]
     if missing:
         raise CaseFileError(f"{where}: case {case.spec!r} lacks {', '.join(missing)}")
-    g = case.args["g"]
-    for key in ("m", "n", "k"):
+    g, seed = case.args["g"], case.args["seed"]
+    if not _is_int(g) or g < 1:
+        raise CaseFileError(f"{where}: g must be a positive integer, not {_shown(g)}")
+    if not _is_int(seed):
+        raise CaseFileError(f"{where}: seed must be an integer, not {_shown(seed)}")
+    # M = 0 (an empty group) is an input the generator makes; N and K of 0 are not.
+    for key, least, kind in (("m", 0, "non-negative"), ("n", 1, "positive"), ("k", 1, "positive")):
         val = case.args[key]
-        if not isinstance(val, tuple) or len(val) != g:
-            raise CaseFileError(f"{where}: case {case.spec!r}: {key} must be a list of g={g} integers")
+        if not isinstance(val, tuple) or len(val) != g or not all(_is_int(x) and x >= least for x in val):
+            raise CaseFileError(f"{where}: {key} must be a list of g={g} {kind} integers, not {_shown(val)}")
     return case
+
+
+def _yaml_error(path: str, err) -> str:
+    mark = getattr(err, "problem_mark", None)
+    where = f"{path}, line {mark.line + 1}" if mark is not None else path
+    what = "; ".join(x for x in (getattr(err, "context", None), getattr(err, "problem", None)) if x)
+    return f"{where}: not valid YAML ({what or type(err).__name__})"
+
+
+def _yaml_entry_lines(root, section: str) -> list[int]:
+    """The line of each entry of `section` (for messages); empty where the layout is not the expected one."""
+    try:
+        for key, value in root.value:
+            if key.value == section:
+                return [item.start_mark.line + 1 for item in value.value]
+    except (AttributeError, TypeError, ValueError):
+        pass
+    return []
+
+
+def _load_yaml_cases(path: str, content: str, section: str) -> list[TestCase]:
+    import yaml
+
+    try:
+        root = yaml.compose(content, Loader=yaml.SafeLoader)
+        document = yaml.safe_load(content)
+    except yaml.YAMLError as err:
+        raise CaseFileError(_yaml_error(path, err)) from None
+    if not isinstance(document, dict):
+        found = "empty" if document is None else f"a {type(document).__name__} at the top level"
+        raise CaseFileError(f"{path}: {found}; expected a mapping with a '{section}' list, as in task.yml")
+    entries = document.get(section)
+    if not isinstance(entries, list):
+        found = "" if entries is None else f" ('{section}' is a {type(entries).__name__})"
+        raise CaseFileError(f"{path}: no '{section}' list{found}")
+    lines = _yaml_entry_lines(root, section)
+    cases = []
+    for i, entry in enumerate(entries):
+        where = f"{path}, line {lines[i]} ({section}[{i}])" if i < len(lines) else f"{path}: {section}[{i}]"
+        if not isinstance(entry, dict):
+            raise CaseFileError(f"{where}: a case must be a mapping of {', '.join(GENERATOR_KEYS)}; found "
+                                f"{entry!r:.60} ({type(entry).__name__})")
+        sol_us = entry.get("sol_us")
+        if sol_us is not None and (isinstance(sol_us, bool) or not isinstance(sol_us, (int, float)) or sol_us <= 0):
+            raise CaseFileError(f"{where}: sol_us must be a positive number of µs, not {sol_us!r}")
+        args = {key: tuple(v) if isinstance(v, list) else v for key, v in entry.items() if key != "sol_us"}
+        case = TestCase(args=args, spec=_spec_of(args), sol_us=sol_us)
+        cases.append(_check_case(case, where, extra_keys=("sol_us",)))
+    return cases
 
 
 def load_cases(path: str, section: str) -> list[TestCase]:
@@ -120,22 +209,20 @@ def load_cases(path: str, section: str) -> list[TestCase]:
     try:
         content = Path(path).read_text()
     except OSError as err:
-        raise CaseFileError(f"cannot read case file {path}: {err}") from err
-    cases = []
+        raise CaseFileError(f"cannot read case file {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise CaseFileError(f"cannot read case file {path}: not a text file") from None
     if path.endswith((".yml", ".yaml")):
-        import yaml
-
-        entries = (yaml.safe_load(content) or {}).get(section)
-        if not isinstance(entries, list):
-            raise CaseFileError(f"{path}: no '{section}' list")
-        for i, entry in enumerate(entries):
-            args = {key: tuple(v) if isinstance(v, list) else v for key, v in entry.items() if key != "sol_us"}
-            case = TestCase(args=args, spec=_spec_of(args), sol_us=entry.get("sol_us"))
-            cases.append(_check_case(case, f"{path}: {section}[{i}]"))
+        cases = _load_yaml_cases(path, content, section)
     else:
+        cases = []
         for lineno, line in enumerate(content.splitlines(), start=1):
             if line.strip() and not line.lstrip().startswith("#"):
-                cases.append(_check_case(parse_case_line(line, lineno), f"{path}:{lineno}"))
+                try:
+                    case = parse_case_line(line, lineno)
+                except CaseFileError as err:
+                    raise CaseFileError(f"{path}, {err}") from None
+                cases.append(_check_case(case, f"{path}, line {lineno}"))
     if not cases:
         raise CaseFileError(f"{path}: no cases")
     return cases
@@ -206,6 +293,18 @@ class PopcornOutput:
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage mistakes are one line on stderr and exit 2 (argparse's own adds the usage block)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (--help for usage)\n")
+
+
+def usage_error(prog: str, message: str) -> int:
+    print(f"{prog}: {message}", file=sys.stderr)
+    return 2
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -411,28 +510,34 @@ def run_profiling(logger: PopcornOutput, pool, tests: list[TestCase]) -> int:
 
 
 def popcorn_main(fd: str, argv: list[str]) -> int:
-    from utils import set_seed
-
-    if len(argv) < 2:
-        return 2
+    runners = {"test": run_testing, "benchmark": run_benchmarking, "leaderboard": run_leaderboard,
+               "profile": run_profiling}
+    if len(argv) < 2 or argv[0] not in runners:
+        return usage_error("eval.py", f"with POPCORN_FD set, give a mode and a case file: python eval.py MODE FILE "
+                                      f"(MODE one of {', '.join(runners)}); got {' '.join(argv) or 'nothing'}")
     mode, case_file = argv[0], argv[1]
+    try:
+        os.fstat(int(fd))
+    except (ValueError, OSError):
+        return usage_error("eval.py", f"POPCORN_FD={fd!r} is not an open file descriptor")
     seed = os.getenv("POPCORN_SEED")
     os.unsetenv("POPCORN_SEED")
-    seed = int(seed) if seed else None
+    try:
+        seed = int(seed) if seed else None
+    except ValueError:
+        return usage_error("eval.py", f"POPCORN_SEED={seed!r} is not an integer")
+    from utils import set_seed  # imports torch: after the checks that need nothing
+
     set_seed(seed or 42)
     try:
         tests = load_cases(case_file, "benchmarks" if mode in ("benchmark", "leaderboard") else "tests")
     except CaseFileError as err:
-        print(err, file=sys.stderr)
+        print(f"eval.py: {err}", file=sys.stderr)
         return 113
     apply_secret_seed(tests, seed)
     problem = gpu_problem()
     if problem:
         print(f"eval.py: cannot run '{mode}': {problem}", file=sys.stderr)
-        return 2
-    runners = {"test": run_testing, "benchmark": run_benchmarking, "leaderboard": run_leaderboard,
-               "profile": run_profiling}
-    if mode not in runners:
         return 2
     with PopcornOutput(int(fd)) as logger:
         with make_pool() as pool:
@@ -456,6 +561,17 @@ def gpu_problem() -> Optional[str]:
 def _short(case: TestCase) -> str:
     a = case.args
     return f"g={a['g']} m={list(a['m'])} n={list(a['n'])} k={list(a['k'])}"
+
+
+def fit_label(text: str, width: int) -> str:
+    """`text` in at most `width` characters, cut after a whole number and marked '…': a cut inside a number
+    would show another size than the case has."""
+    if len(text) <= width:
+        return text
+    cut = text[:width - 1]
+    if text[width - 1].isdigit():
+        cut = cut.rstrip("0123456789")
+    return cut.rstrip(", ") + "…"
 
 
 UNSUPPORTED_DEVICE = "UnsupportedDeviceError"
@@ -655,81 +771,231 @@ def build_one(num_groups: int, arch: str, cuobjdump: str, variant: Optional[str]
         return result
 
 
-def compile_main(argv: list[str]) -> int:
-    import argparse
+# The SM counts custom_kernel sees on the leaderboard's B200 and on an H100/H200 (SXM): its tile choice
+# depends on them, and compile has no GPU to ask.
+COMPILE_NUM_SMS = {"sm_100a": 148, "sm_90a": 132}
+COMPILE_GPUS = {"sm_100a": "a B200", "sm_90a": "an H100/H200"}
 
-    parser = argparse.ArgumentParser(prog="eval.py compile", description="Build the kernel without a GPU.")
-    parser.add_argument("--arch", default="sm_100a", choices=("sm_100a", "sm_90a"))
-    parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"),
-                        help="task.yml (tests and benchmarks) or a runner text file")
-    parser.add_argument("--groups", type=int, nargs="*", default=[],
-                        help="extra group counts to build besides those of the cases")
+
+@dataclasses.dataclass(frozen=True)
+class PlannedKernel:
+    """One kernel compile builds: the name compile_for builds it by, its output tile (M x N) and G."""
+
+    variant: str
+    tile_mn: tuple
+    groups: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.variant} {self.tile_mn[0]}x{self.tile_mn[1]} g={self.groups}"
+
+
+def arch_variants(submission, arch: str) -> tuple:
+    """The variant names of `arch`: what set_variant (sm_100a) or set_sm90_variant (sm_90a) takes."""
+    return tuple(submission.SM90_VARIANTS) if arch.startswith("sm_90") else tuple(submission.KERNEL_VARIANTS)
+
+
+def planned_kernel(submission, arch: str, variant: Optional[str], groups: int, sizes=None) -> PlannedKernel:
+    """The kernel custom_kernel would run on `arch` for a problem of these sizes ((m, n, k, 1) per group), as
+    submission.kernel_config picks it with COMPILE_NUM_SMS; without sizes, the one compile_for builds by
+    default. `variant` stands for the submission's own choice (set_sm90_variant on sm_90a, set_variant on
+    sm_100a)."""
+    num_sms = COMPILE_NUM_SMS[arch]
+    if arch.startswith("sm_90"):
+        named = submission.SM90_VARIANT_CONFIGS
+        chosen = variant or submission.SM90_VARIANT
+        if chosen in named:
+            config = named[chosen]
+        else:  # per problem, or compile_for's default for a bare group count
+            config = submission.choose_sm90_config(sizes, num_sms) if sizes else named["sm90_tile128"]
+    else:
+        named = submission.VARIANT_CONFIGS
+        chosen = variant or submission.KERNEL_VARIANT
+        by_table = sizes and chosen in submission.TILE_TABLE_VARIANTS
+        config = submission.choose_sm100_config(sizes, num_sms) if by_table else named[chosen]
+    # compile_for builds by name: every tile-table row is also a variant of its own.
+    name = chosen if named.get(chosen) == config else next((n for n, c in named.items() if c == config), None)
+    if name is None:
+        raise LookupError(f"submission.py chose a {arch} kernel that no variant names ({config}); compile_for "
+                          "cannot build it")
+    return PlannedKernel(name, tuple(config.tile_mn), groups)
+
+
+def _case_sizes(case: TestCase) -> list[tuple]:
+    return [(m, n, k, 1) for m, n, k in zip(case.args["m"], case.args["n"], case.args["k"])]
+
+
+def _group_counts(items: list[str], cases_given: bool):
+    """--groups values -> (group counts, a case file that came last in the list, or an error)."""
+    counts, case_file = [], None
+    for index, item in enumerate(items):
+        for token in item.split(",") if "," in item else [item]:
+            if re.fullmatch(r"\s*[+-]?[0-9]+\s*", token):
+                if int(token) < 1:
+                    return [], None, f"--groups {token.strip()}: a group count must be at least 1"
+                counts.append(int(token))
+            elif index == len(items) - 1 and "," not in item and not cases_given:
+                case_file = token  # `--groups 1 16 task.yml`: the list ends where the case file starts
+            else:
+                return [], None, f"--groups: {token!r} is not a group count (a positive integer)"
+    return counts, case_file, None
+
+
+def compile_main(argv: list[str]) -> int:
+    prog = "eval.py compile"
+    try:
+        import submission
+
+        names = {arch: arch_variants(submission, arch) for arch in COMPILE_NUM_SMS}
+        import_error = None
+    except Exception as err:
+        names, import_error = {}, f"cannot import submission.py: {type(err).__name__}: {err}"
+    variant_help = "; ".join(f"{arch}: {', '.join(v)}" for arch, v in names.items()) or "see submission.py"
+    parser = OneLineArgumentParser(
+        prog=prog, description="Build the kernels without a GPU: one row per kernel built (registers, shared and "
+                               "tensor memory, SASS counts), then the kernel each case runs.")
+    parser.add_argument("--arch", default="sm_100a", choices=tuple(COMPILE_NUM_SMS))
+    parser.add_argument("cases", nargs="?", help="task.yml (tests and benchmarks; the default) or a runner text file")
+    parser.add_argument("--groups", nargs="+", action="extend", default=[], metavar="G",
+                        help="also build the default kernel for these group counts (--groups 1 16 or --groups 1,16)")
     parser.add_argument("--json", metavar="PATH", help="also write the results, per case, as JSON")
-    parser.add_argument("--variant", help="a kernel variant of the submission (its KERNEL_VARIANTS) instead of "
-                                          "the default for the arch")
+    parser.add_argument("--variant", help="build as if set_variant (sm_100a) or set_sm90_variant (sm_90a) had "
+                                          "chosen this variant instead of the submission's default; those that "
+                                          f"pick their tile per problem still do ({variant_help})")
     args = parser.parse_args(argv)
+    groups, trailing_case_file, problem = _group_counts(args.groups, args.cases is not None)
+    if problem:
+        return usage_error(prog, problem)
+    if import_error:
+        return usage_error(prog, import_error)
+    case_file = args.cases or trailing_case_file or str(HERE / "task.yml")
+    if args.variant is not None and args.variant not in names[args.arch]:
+        other = [arch for arch, v in names.items() if args.variant in v]
+        hint = f" (it is an {other[0]} kernel: add --arch {other[0]})" if other else ""
+        return usage_error(prog, f"--variant {args.variant!r} is not an {args.arch} kernel; choose one of "
+                                 f"{', '.join(names[args.arch])}{hint}")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        return usage_error(prog, f"--json {args.json}: directory {Path(args.json).resolve().parent} does not exist")
+    try:
+        if case_file.endswith((".yml", ".yaml")):
+            cases = load_cases(case_file, "tests") + load_cases(case_file, "benchmarks")
+        else:
+            cases = load_cases(case_file, "tests")
+    except CaseFileError as err:
+        return usage_error(prog, str(err))
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
-        print("eval.py compile: cuobjdump or nvdisasm not found "
-              "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)", file=sys.stderr)
-        return 2
-    try:
-        if args.cases.endswith((".yml", ".yaml")):
-            cases = load_cases(args.cases, "tests") + load_cases(args.cases, "benchmarks")
-        else:
-            cases = load_cases(args.cases, "tests")
-    except CaseFileError as err:
-        print(f"eval.py compile: {err}", file=sys.stderr)
-        return 2
-    labels = [(_short(c), c.args["g"]) for c in cases]
-    labels += [(f"g={g} (extra)", g) for g in args.groups]
-    builds: dict[int, dict] = {}
-    for g in sorted({g for _, g in labels}):
-        progress(f"building {args.arch}{' ' + args.variant if args.variant else ''} for {g} groups...")
-        builds[g] = build_one(g, args.arch, cuobjdump, args.variant)
+        return usage_error(prog, "cuobjdump or nvdisasm not found "
+                                 "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+
+    arch, variant = args.arch, args.variant
+    wanted = [(_short(c), planned_kernel(submission, arch, variant, c.args["g"], _case_sizes(c))) for c in cases]
+    wanted += [(f"g={g} (--groups)", planned_kernel(submission, arch, variant, g)) for g in groups]
+    kernels = sorted({kernel for _, kernel in wanted}, key=lambda k: (k.groups, k.tile_mn, k.variant))
+    builds: dict[PlannedKernel, dict] = {}
+    for kernel in kernels:
+        progress(f"building {arch} {kernel.label}...")
+        builds[kernel] = build_one(kernel.groups, arch, cuobjdump, kernel.variant)
+
+    if arch.startswith("sm_90"):
+        chosen, setter = variant or submission.SM90_VARIANT, "set_sm90_variant"
+        per_problem = chosen not in submission.SM90_VARIANT_CONFIGS
+    else:
+        chosen, setter = variant or submission.KERNEL_VARIANT, "set_variant"
+        per_problem = chosen in submission.TILE_TABLE_VARIANTS
+    how = (f"each case's tile as custom_kernel picks it on {COMPILE_GPUS[arch]} ({COMPILE_NUM_SMS[arch]} SMs)"
+           if per_problem else f"variant {chosen} for every case, as custom_kernel runs it after {setter}({chosen!r})")
+    print(f"{arch}: {len(kernels)} kernel{'s' if len(kernels) != 1 else ''} built (variant, tile MxN, groups); {how}")
     print("smem[B]: static + dynamic shared memory per CTA (dynamic as the DSL reports it at build time, else the "
           "kernel's own plan, else '?'); tmem: tensor-memory columns used/allocated (B200)")
-    print(f"{'case':<72} {'status':<6} {'regs':>4} {'smem[B]':>11} {'tmem':>7} {'s':>5}  "
+    width = max(len("kernel"), *(len(k.label) for k in kernels))
+    print(f"{'kernel':<{width}} {'status':<6} {'regs':>4} {'smem[B]':>11} {'tmem':>7} {'s':>5}  "
           + " ".join(f"{op:>7}" for op in SASS_OPS))
     failed = False
-    report = []
-    for label, g in labels:
-        result = builds[g]
+    for kernel in kernels:
+        result = builds[kernel]
         res, sass, info = result.get("resources", {}), result.get("sass", {}), result.get("info", {})
         smem = f"{res.get('SHARED', '?')}+{info.get('dynamic_smem_bytes', info.get('planned_smem_bytes', '?'))}"
-        status = "OK" if result["ok"] else "ERROR"
         failed |= not result["ok"]
-        print(f"{label[:72]:<72} {status:<6} {res.get('REG', '?'):>4} {smem:>11} {info.get('tmem_cols', '-'):>7} "
-              f"{result.get('seconds', '?'):>5}  "
+        print(f"{kernel.label:<{width}} {'OK' if result['ok'] else 'ERROR':<6} {res.get('REG', '?'):>4} {smem:>11} "
+              f"{info.get('tmem_cols', '-'):>7} {result.get('seconds', '?'):>5}  "
               + " ".join(f"{sass.get(op, '?'):>7}" for op in SASS_OPS))
         if not result["ok"]:
             print(f"    {result['error']}")
-        report.append(dict(result, case=label, groups=g, arch=args.arch, variant=args.variant))
+    print(f"\n{'kernel':<{width}} case")
+    for label, kernel in wanted:
+        print(f"{kernel.label:<{width}} {label}")
     if args.json:
+        report = [dict(builds[kernel], case=label, groups=kernel.groups, arch=arch, variant=kernel.variant,
+                       kernel=kernel.label, tile_mn=list(kernel.tile_mn)) for label, kernel in wanted]
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     return 1 if failed else 0
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Modes besides the run modes: name -> entry point taking the arguments after the mode. Each parses its own
+# arguments; main() knows every name before it looks for a GPU.
+def _bringup_mode(argv: list[str]) -> int:
+    import bringup
+
+    return bringup.bringup_main(argv)
+
+
+def _export_mode(argv: list[str]) -> int:
+    import bringup
+
+    return bringup.export_main(argv)
+
+
+TOOL_MODES = {"compile": compile_main, "bringup": _bringup_mode, "export": _export_mode}
+
+
+def _submission_problem(variants: Optional[list[str]]) -> Optional[str]:
+    """Why the submission cannot start as asked (a bad NVFP4_* variable, an unknown --variants name), or None.
+    Checked here because the workers would only fail on it with a traceback, once per case."""
+    try:
+        import submission
+    except Exception as err:
+        return f"cannot import submission.py: {type(err).__name__}: {err}"
+    if variants is None:
+        return None
+    names = submission.KERNEL_VARIANTS
+    unknown = [v for v in variants if v not in names]
+    if unknown or not variants:
+        what = f"unknown kernel variant {unknown[0]!r}" if unknown else "no kernel variant named"
+        return f"--variants: {what}; choose from {', '.join(names)} (comma-separated; B200 kernels)"
+    return None
+
+
 def main(argv: list[str]) -> int:
     fd = os.getenv("POPCORN_FD")
-    if argv and argv[0] == "compile":
-        return compile_main(argv[1:])
+    modes = RUN_MODES + tuple(TOOL_MODES)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if argv and argv[0] in TOOL_MODES:
+        return TOOL_MODES[argv[0]](argv[1:])
+    parser = OneLineArgumentParser(prog="eval.py", add_help=False)
+    parser.add_argument("mode", nargs="?", default="test")
+    parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"))
+    parser.add_argument("--variants", metavar="A,B")
+    parser.add_argument("-h", "--help", action="store_true")
+    mode = argv[0] if fd and argv else parser.parse_known_args(argv)[0].mode
+    if mode not in modes:
+        return usage_error("eval.py", f"unknown mode {mode!r}; choose one of {', '.join(modes)} "
+                                      "(python eval.py --help)")
     if fd:
         return popcorn_main(fd, argv)
-    variants = []
-    if "--variants" in argv:
-        at = argv.index("--variants")
-        if at + 1 >= len(argv):
-            print("eval.py: --variants needs a comma-separated list (submission.KERNEL_VARIANTS)", file=sys.stderr)
-            return 2
-        variants = [v for v in argv[at + 1].split(",") if v]
-        argv = argv[:at] + argv[at + 2:]
-    mode = argv[0] if argv else "test"
-    if mode in ("-h", "--help") or mode not in RUN_MODES:
+    args = parser.parse_args(argv)
+    if args.help:
         print(__doc__)
-        return 0 if mode in ("-h", "--help") else 2
-    case_file = argv[1] if len(argv) > 1 else str(HERE / "task.yml")
+        return 0
+    variants = [] if args.variants is None else [v for v in args.variants.split(",") if v]
+    if args.variants is not None or any(key.startswith("NVFP4_") for key in os.environ):
+        problem = _submission_problem(variants if args.variants is not None else None)
+        if problem:
+            return usage_error("eval.py", problem)
+    case_file = args.cases
     try:
         tests = load_cases(case_file, "tests" if mode == "test" else "benchmarks")
     except CaseFileError as err:

@@ -12,8 +12,11 @@ Both arches read the scales in the blocked tcgen05 layout (the `sfasfb_reordered
 generator keeps the plain scales on the CPU, and one 128-row x 256-k tile's blocked scales are 2 KB of
 contiguous bytes (padding rows exist, so no load runs out of bounds).
 
-Constraints (stated once, in `can_implement`): L == 1; any M >= 1; N a multiple of 128; K a multiple of
+Constraints (stated once, in `can_implement`): L == 1; any M >= 0; N a multiple of 128; K a multiple of
 256; the task generator's dense layouts; every tensor the kernel reads on one CUDA device, 16-byte aligned.
+A group with M = 0 has no tiles: the host drops it before the tables and the compile (the kernels are built
+per count of non-empty groups) and returns its C ([0, N, 1]) as given; if every group is empty, nothing is
+launched and the C list comes back at once.
 
 How it runs on Blackwell (sm_100a): kernel variants (`KERNEL_VARIANT`, `set_variant`), newest first:
 
@@ -45,11 +48,22 @@ metadata cache, compile cache, the prepared-call fast path and the launch paths 
 TVM-FFI entry where apache-tvm-ffi imports, else its ctypes entry with arguments packed once).
 docs/HOPPER_NOTES.md has the design and log.
 
+Which GPU queue: every kernel here (table upload, descriptor preparation, GEMM) runs on the legacy default
+queue of the current device, the queue torch calls its default one: the DSL compiles no queue argument into
+them and launches with queue handle 0. A caller on torch's default queue needs nothing more. A caller whose
+current torch queue is another one must make the default queue wait for its own work on the inputs before
+the call, and make its queue wait for the default one before it reads C (torch: `wait_...` of its current
+queue, given the default queue); README.md, "Which GPU queue the kernels run on", has the torch calls. The
+staging ring of the tables (`PinnedTableRing`) records its events on that same queue.
+
 How to use it:
     custom_kernel(data)      GPU MODE entry point; data = (abc, sfasfb, sfasfb_reordered, problem_sizes)
     can_implement(data)      (ok, reason) on CPU or GPU tensors, no GPU needed
     set_variant(name)        one of KERNEL_VARIANTS; custom_kernel uses KERNEL_VARIANT at each call
-                             (NVFP4_KERNEL_VARIANT=name in the environment sets it at import)
+                             (NVFP4_KERNEL_VARIANT=name in the environment sets it at import; the default is
+                             the DEFAULT_KERNEL_VARIANT line, which `eval.py export` rewrites)
+    set_sm90_variant(name)   Hopper: one of SM90_VARIANTS ("sm90_auto" picks the tile per problem, the others
+                             force one; NVFP4_SM90_VARIANT=name at import)
     set_launch_path(name)    one of LAUNCH_PATHS ("tvm_ffi", "prepacked", "dsl"; NVFP4_LAUNCH_PATH=name at import)
     set_pdl(on)              programmatic dependent launch of the persistent kernels (default on; NVFP4_PDL=0)
     compile_for(num_groups, arch=None, variant=None)
@@ -68,7 +82,7 @@ import functools
 import importlib.metadata
 import os
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from operator import is_
 from typing import Callable, Optional
 
@@ -142,7 +156,17 @@ USE_PDL = _choice_from_env("NVFP4_PDL", "1", ("0", "1")) == "1"
 def set_pdl(on: bool) -> None:
     """Launch the persistent kernels with (True) or without programmatic dependent launch from now on."""
     global USE_PDL
-    USE_PDL = bool(on)
+    # A bool only: "0" or "off" are truthy, so converting them would silently turn PDL on.
+    if not isinstance(on, bool):
+        raise TypeError(f"set_pdl() takes True or False, not {on!r} ({type(on).__name__})")
+    USE_PDL = on
+
+
+def _check_setter_name(setter: str, what: str, name, choices: tuple) -> None:
+    """A setter's argument: a str (TypeError otherwise) that is one of `choices` (ValueError otherwise)."""
+    if not isinstance(name, str):
+        raise TypeError(f"{setter}() takes a {what} name (str), one of {choices}; not {name!r} ({type(name).__name__})")
+    _check_choice(what, name, choices)
 
 # Hardware budgets of one sm_100 SM (the CUDA occupancy tables: 227 KiB of shared memory per block, static
 # and dynamic together; 512 tensor-memory columns of 128 lanes x 32 bit).
@@ -354,15 +378,17 @@ TILE_TABLE_VARIANTS = frozenset({"persistent"})
 KERNEL_VARIANTS = tuple(VARIANT_CONFIGS)
 
 
-# A fresh interpreter (eval.py's spawned workers) can start on another variant through the environment;
-# the leaderboard runner never sets it.
-KERNEL_VARIANT = _choice_from_env("NVFP4_KERNEL_VARIANT", "persistent", KERNEL_VARIANTS)
+# The default variant: the one marked line `eval.py export --variant NAME -o FILE` rewrites (and the one
+# to edit by hand). A fresh interpreter (eval.py's spawned workers) can start on another variant through
+# the environment; the leaderboard runner never sets it.
+DEFAULT_KERNEL_VARIANT = "persistent"  # eval.py export --variant NAME rewrites this line
+KERNEL_VARIANT = _choice_from_env("NVFP4_KERNEL_VARIANT", DEFAULT_KERNEL_VARIANT, KERNEL_VARIANTS)
 
 
 def set_variant(name: str) -> None:
     """Select the kernel custom_kernel launches from now on (one of KERNEL_VARIANTS)."""
     global KERNEL_VARIANT
-    _check_choice("kernel variant", name, KERNEL_VARIANTS)
+    _check_setter_name("set_variant", "kernel variant", name, KERNEL_VARIANTS)
     KERNEL_VARIANT = name
 
 
@@ -374,11 +400,15 @@ class Sm90GemmConfig:
     where each fp16 A buffer feeds twice the MMA work (a 128 x 256 tile takes about 1.47x the time of a
     128 x 128 one on the H200) but there are half as many tiles to spread over the SMs.
     num_stages: depth of the fp4 + scale ring (0: the most that fits, 4 for 128 x 128, 3 for 128 x 256).
+    a16_prepass: A (the small operand) is converted to fp16 once per call by `Sm90AConvertKernel` into the
+      launch's workspace, and the GEMM TMA-loads it (no transform warpgroup work); False: the transform
+      warpgroup converts A in every CTA that needs it (once per N tile).
     """
 
     blocks_per_wg: int = 1
     num_stages: int = 0
     use_pdl: bool = USE_PDL  # programmatic dependent launch
+    a16_prepass: bool = False
 
     def __post_init__(self):
         if self.blocks_per_wg not in (1, 2):
@@ -394,6 +424,8 @@ class Sm90GemmConfig:
 SM90_VARIANT_CONFIGS = {
     "sm90_tile128": Sm90GemmConfig(blocks_per_wg=1),
     "sm90_tile256": Sm90GemmConfig(blocks_per_wg=2),
+    "sm90_a16_tile128": Sm90GemmConfig(blocks_per_wg=1, a16_prepass=True),
+    "sm90_a16_tile256": Sm90GemmConfig(blocks_per_wg=2, a16_prepass=True),
 }
 # Measured time of one 128 x 256 Hopper tile over one 128 x 128 tile (H200, docs/HOPPER_NOTES.md, v3).
 SM90_TILE256_COST = 1.47
@@ -407,6 +439,21 @@ def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
     rounds_small = ceil_div(num_output_tiles(problem_sizes, small.tile_mn), num_sms)
     rounds_large = ceil_div(num_output_tiles(problem_sizes, large.tile_mn), num_sms)
     return large if rounds_large * SM90_TILE256_COST < rounds_small else small
+
+
+# How custom_kernel picks its Hopper tile: "sm90_auto" per problem (choose_sm90_config), or one entry of
+# SM90_VARIANT_CONFIGS forced (eval.py bringup runs each). Part of the prepared-call key, as KERNEL_VARIANT
+# is; NVFP4_SM90_VARIANT=name at import, set_sm90_variant(name) at run time; no effect on a B200.
+SM90_VARIANTS = ("sm90_auto", *SM90_VARIANT_CONFIGS)
+DEFAULT_SM90_VARIANT = "sm90_auto"  # eval.py export --variant NAME rewrites this line
+SM90_VARIANT = _choice_from_env("NVFP4_SM90_VARIANT", DEFAULT_SM90_VARIANT, SM90_VARIANTS)
+
+
+def set_sm90_variant(name: str) -> None:
+    """Select how custom_kernel picks its Hopper tile from now on (one of SM90_VARIANTS)."""
+    global SM90_VARIANT
+    _check_setter_name("set_sm90_variant", "Hopper variant", name, SM90_VARIANTS)
+    SM90_VARIANT = name
 
 
 # B200 model behind the tile table (docs/B200_DESIGN.md, section 4; unverified until measured on a B200).
@@ -522,19 +569,108 @@ def table_words(num_groups: int) -> tuple:
     return ptr_words, ptr_words + num_groups * len(SizeColumn) // 2
 
 
-class PinnedTableRing:
-    """Pinned host memory for the tables' staging copies, handed out round-robin in 16-byte pieces, allocated
-    once (page-locking memory per miss would cost a driver call each).
+# The queue every kernel here runs on: the DSL compiles no queue argument into them and launches with queue
+# handle 0, which the CUDA runtime reads as the legacy default queue of the current device (the one torch
+# calls its default). 1 is the driver's explicit handle of that same queue (cuda.h's CU_..._LEGACY), which
+# means it whether or not anything was built with per-thread default queues.
+LEGACY_DEFAULT_QUEUE = 1
 
-    NOTES: a piece is reused after the ring has wrapped: TABLE_RING_WORDS is large enough that by then over a
-    thousand launches (an upload and a GEMM per miss) were queued after its upload, more than the driver
-    keeps pending, so that upload has run.
+
+def _cuda_driver():
+    """cuda-python's driver bindings: a dependency of the DSL, which imports them itself."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:  # cuda-python before 12.6 named the module cuda.cuda
+        from cuda import cuda as driver
+    return driver
+
+
+class KernelQueueEvent:
+    """A CUDA event recorded on the kernels' queue (LEGACY_DEFAULT_QUEUE of the current device) through the
+    driver: torch records its events on torch's current queue, which a caller may have switched to another.
+
+    The driver event is created on the first record, in the current context, and made again if a record
+    finds the context changed (another device): the driver refuses an event of another context.
     """
 
-    def __init__(self, words: int):
+    _driver = None
+    _flags = 2  # CU_EVENT_DISABLE_TIMING: a cheaper record, and no timing is read
+
+    def __init__(self):
+        if KernelQueueEvent._driver is None:
+            KernelQueueEvent._driver = _cuda_driver()
+        self.handle = None
+
+    def _check(self, result: tuple, what: str):
+        if int(result[0]) != 0:
+            raise RuntimeError(f"{what} failed: {result[0]!r}")
+        return result[1] if len(result) > 1 else None
+
+    def record(self) -> None:
+        driver = self._driver
+        if self.handle is not None:
+            result = driver.cuEventRecord(self.handle, LEGACY_DEFAULT_QUEUE)
+            if int(result[0]) == 0:
+                return
+            invalid = (driver.CUresult.CUDA_ERROR_INVALID_HANDLE, driver.CUresult.CUDA_ERROR_INVALID_CONTEXT)
+            if result[0] not in invalid:
+                self._check(result, "cuEventRecord")
+            self.close()  # made in another context
+        self.handle = self._check(driver.cuEventCreate(self._flags), "cuEventCreate")
+        self._check(driver.cuEventRecord(self.handle, LEGACY_DEFAULT_QUEUE), "cuEventRecord")
+
+    def query(self) -> bool:
+        """True when all work the last record captured has completed (or nothing was recorded)."""
+        if self.handle is None:
+            return True
+        result = self._driver.cuEventQuery(self.handle)
+        if result[0] == self._driver.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        self._check(result, "cuEventQuery")
+        return True
+
+    def synchronize(self) -> None:
+        """Blocks the host until the recorded work has completed."""
+        if self.handle is not None:
+            self._check(self._driver.cuEventSynchronize(self.handle), "cuEventSynchronize")
+
+    def close(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            try:
+                self._driver.cuEventDestroy(handle)
+            except Exception:  # the driver may already be shut down at interpreter exit
+                pass
+
+    def __del__(self):
+        self.close()
+
+
+class PinnedTableRing:
+    """Pinned host memory for the tables' staging copies, handed out round-robin in 16-byte pieces, allocated
+    once (page-locking memory per miss would cost a driver call each). `words` (the ring's size) is the
+    constructor's: a test builds a ring of a few pieces.
+
+    A piece is never handed out while an upload that reads its words may still be pending. Right after
+    launching the upload of a piece, the caller calls `uploaded()`, which records an event on the kernels'
+    queue (one record per launch-metadata miss; events whose work was seen complete are recorded again, not
+    made anew). `take()`, before it hands out words that earlier pieces occupied, checks those pieces'
+    events, newest first: `query()`, and `synchronize()` only on one still pending (once the newest is
+    done, the older ones on its queue are too, and their queries return at once). The prepared-call fast
+    path never reaches the ring. `new_event` makes the events (default `KernelQueueEvent`; a test passes
+    a fake with record/query/synchronize).
+    """
+
+    def __init__(self, words: int, new_event: Optional[Callable[[], object]] = None):
         self.words = words
+        self.new_event = new_event or KernelQueueEvent
         self.buffer = None
-        self.next = 0
+        self.next = 0  # offset of the next piece in this lap
+        self.lap = 0
+        # [lap * words + offset, event or None] of every piece that may still be read, oldest first; None
+        # until `uploaded()` (a piece whose upload was never launched is read by nothing).
+        self.pending = deque()
+        self.spare = []  # events whose recorded work has completed, for the next records
 
     def take(self, words: int) -> torch.Tensor:
         if self.buffer is None:
@@ -543,10 +679,39 @@ class PinnedTableRing:
         if words > self.words:
             raise ValueError(f"{words} table words exceed the staging ring ({self.words})")
         if self.next + words > self.words:
-            self.next = 0
+            self.next, self.lap = 0, self.lap + 1
+        start = self.lap * self.words + self.next
+        # Pieces never straddle the ring's end, so every earlier piece sharing a word with this one began
+        # before start + words - self.words in the ring's linear order (it is at least a lap older).
+        self._retire(start + words - self.words)
         piece = self.buffer[self.next:self.next + words]
+        self.pending.append([start, None])
         self.next += words
         return piece
+
+    def uploaded(self) -> None:
+        """Records the event of the piece last taken; call right after launching the upload that reads it."""
+        entry = self.pending[-1]
+        if entry[1] is not None:
+            raise RuntimeError("uploaded() called twice for one piece")
+        event = self.spare.pop() if self.spare else self.new_event()
+        event.record()
+        entry[1] = event
+
+    def _retire(self, before: int) -> None:
+        """Waits for the uploads of every pending piece that began before linear position `before`."""
+        pending = self.pending
+        count = 0
+        while count < len(pending) and pending[count][0] < before:
+            count += 1
+        for i in range(count - 1, -1, -1):  # newest first; dropped only once all are done (an error keeps them)
+            event = pending[i][1]
+            if event is not None and not event.query():
+                event.synchronize()
+        for _ in range(count):
+            event = pending.popleft()[1]
+            if event is not None:
+                self.spare.append(event)
 
 
 # 4 MiB: 1,170 tables of 64 groups, 9,362 of 8 groups.
@@ -560,7 +725,8 @@ def pack_group_metadata(data, device: torch.device) -> tuple:
 
     The device buffer is not written here: `TableUploadKernel` copies the staging piece (from
     `PinnedTableRing`) into it on the kernels' own queue, so a new input set never makes the host wait for
-    the kernels already queued (a torch copy from pageable memory would).
+    the kernels already queued (a torch copy from pageable memory would). The caller launches that upload
+    and then calls `_table_ring.uploaded()`.
     """
     abc, _, sfasfb_r, sizes = data
     num_groups = len(sizes)
@@ -628,6 +794,7 @@ class LaunchMetadata:
     num_ctas: int
     launch_args: tuple  # plain ints the GEMM is launched with: the three table addresses, then its counts
     table_args: tuple  # the three table addresses: what a descriptor preparation kernel is launched with
+    prepass_args: tuple = ()  # Hopper a16_prepass: `Sm90AConvertKernel`'s table addresses and grid x
 
 
 # Bounded: the benchmark cycles through 15 input sets per shape; 64 covers that with room, and entries
@@ -1468,7 +1635,8 @@ class Sm100PersistentGroupedGemmKernel:
         """The TMA atoms of the descriptors, in `descriptor_slots` order (host side of a jit function)."""
         return self._tma_setup().tma_atoms
 
-    def group_descriptor_tensors(self, ptr_table: cute.Tensor, size_table: cute.Tensor, group) -> tuple:
+    def group_descriptor_tensors(self, ptr_table: cute.Tensor, size_table: cute.Tensor, group,
+                                 tensormaps: cute.Tensor) -> tuple:
         """Group `group`'s global tensors, in `descriptor_slots` order (device side)."""
         cfg = self.config
         m = size_table[group, int(SizeColumn.M)]
@@ -1980,7 +2148,7 @@ class GroupTensormapKernel:
         # Staging as a per-CTA row does, but released to row `group` (`patch` writes the CTA's row).
         rows = TmaDescriptorRows(False, tensormaps, group, storage.tensormap_buffer.data_ptr())
         rows.stage_from_atoms(atoms, slots, 0)
-        rows.patch(self.gemm.group_descriptor_tensors(ptr_table, size_table, group), atoms, slots, 0)
+        rows.patch(self.gemm.group_descriptor_tensors(ptr_table, size_table, group, tensormaps), atoms, slots, 0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -2170,6 +2338,83 @@ def fp4x8_to_f16x2x4(word, scale_f16x2, *, loc=None, ip=None):
     return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
+@dsl_user_op
+def ld_global_u32(addr, *, loc=None, ip=None):
+    r = _asm(T.i32(), [_i64(addr, loc, ip)], "ld.global.nc.b32 $0, [$1];", "=r,l", False, loc, ip)
+    return cutlass.Uint32(r)
+
+
+@dsl_user_op
+def st_global_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
+    _asm(None, [_i64(addr, loc, ip), _u32(v0, loc, ip), _u32(v1, loc, ip), _u32(v2, loc, ip),
+                _u32(v3, loc, ip)],
+         "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}", True, loc, ip)
+
+
+@cute.jit
+def sm90_a16_group_offset(sizes: cute.Tensor, group, num_groups: cutlass.Constexpr[int]) -> cutlass.Int64:
+    """Byte offset of group `group`'s fp16 A (M x K x 2 bytes, groups in order) in a Hopper prepass
+    workspace: after the descriptor rows (`Sm90BlockScaledGroupedGemmKernel.a16_offset`)."""
+    offset = cutlass.Int64(num_groups * len(Sm90TensorMapSlot) * TENSORMAP_BYTES)
+    for i in cutlass.range(group, unroll=1):
+        offset = offset + cutlass.Int64(sizes[i, int(SizeColumn.M)]) * sizes[i, int(SizeColumn.K)] * 2
+    return offset
+
+
+class Sm90AConvertKernel:
+    """The Hopper prepass (config.a16_prepass): every group's A, e2m1 x e4m3, to exact fp16 in the
+    workspace, once per call, so that the GEMM loads it by TMA instead of converting it in every CTA.
+
+    Grid (x, G): CTA (x, g) converts items x * 256 + [0, 256) of group g; an item is one quarter (32 k)
+    of one 128-k chunk of one row: 16 bytes of A (four 32-bit words) and their two scale words in, 64
+    contiguous bytes of fp16 out. The values and their order inside a chunk are exactly what the transform
+    warpgroup writes to shared memory (same encoding: value * 2^-14 * scale * 2^7, undone in the epilogue;
+    same k permutation, which B's register conversion matches), so a TMA load of a 64-k box with the
+    128-byte swizzle puts them where the wgmma expects them. Launched without programmatic dependent launch:
+    it waits for the previous GEMM on the queue, which may still read an earlier call's fp16 A.
+    """
+
+    threads = 256
+
+    def __init__(self, num_groups: int):
+        self.num_groups = num_groups
+
+    @cute.jit
+    def __call__(self, ptrs_ptr: cute.Pointer, sizes_ptr: cute.Pointer, workspace_ptr: cute.Pointer,
+                 grid_x: cutlass.Int32):
+        ptrs, sizes = group_tables(ptrs_ptr, sizes_ptr, self.num_groups)
+        workspace = cute.make_tensor(workspace_ptr, cute.make_layout((1,)))
+        self.kernel(ptrs, sizes, workspace).launch(grid=(grid_x, self.num_groups, 1), block=(self.threads, 1, 1))
+
+    @cute.kernel
+    def kernel(self, ptrs: cute.Tensor, sizes: cute.Tensor, workspace: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, g, _ = cute.arch.block_idx()
+        m = sizes[g, int(SizeColumn.M)]
+        k = sizes[g, int(SizeColumn.K)]
+        chunks = k // 128
+        item = bx * self.threads + tidx
+        if item < m * chunks * 4:
+            t = item % 4
+            chunk = (item // 4) % chunks
+            row = item // (4 * chunks)
+            # A: physical k 32 qq + 8 t + [0, 8) of this chunk is word t of the 16-byte column qq.
+            a_row = ptrs[g, int(PtrColumn.A)] + cutlass.Int64(row) * (k // 2) + chunk * 64 + 4 * t
+            words = [ld_global_u32(a_row + 16 * qq) for qq in range(4)]
+            # Blocked scales: 512-byte (32 x 4 x 4) atoms, rest_k = K / 64 of them per 128 rows; a chunk is
+            # two atoms (sub), byte (row % 32) * 16 + ((row // 32) % 4) * 4 + k-block % 4.
+            sf_row = (ptrs[g, int(PtrColumn.SFA)] + cutlass.Int64(row // 128) * (k // 64) * 512
+                      + chunk * 1024 + (row % 32) * 16 + ((row // 32) % 4) * 4)
+            sf = [ld_global_u32(sf_row + 512 * sub) for sub in range(2)]
+            sel0 = cutlass.Uint32((4 << 12) | (4 << 4))
+            conv = [fp4x8_to_f16x2x4(words[qq], scale_to_f16x2(
+                sf[qq // 2], sel0 | cutlass.Uint32((2 * (qq % 2) + t // 2) * 0x101))) for qq in range(4)]
+            out = (workspace.iterator.toint() + sm90_a16_group_offset(sizes, g, self.num_groups)
+                   + cutlass.Int64(row) * k * 2 + chunk * 256 + 64 * t)
+            for i in cutlass.range_constexpr(4):
+                st_global_v4(out + 16 * i, conv[0][i], conv[1][i], conv[2][i], conv[3][i])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Hopper (sm_90a) kernel
 # ---------------------------------------------------------------------------------------------------------
@@ -2193,6 +2438,11 @@ class Sm90BlockScaledGroupedGemmKernel:
     H200, but half as many tiles). Registers (setmaxnreg): producer 24, transform 64, consumers 208.
     Shared memory: stages (4 x 18 KB | 3 x 27 KB) + 3 x 32 KB fp16 A + 2 x 16 KB epilogue, ~205 / 214 KB.
     Named barriers: EPILOGUE_BARRIER + consumer index (128 threads each).
+
+    config.a16_prepass: A arrives as fp16, converted once per call by `Sm90AConvertKernel` into the
+    workspace after the descriptor rows (`a16_offset`); the producer TMA-loads it straight into the fp16
+    A buffers (a16_full completes on the transaction bytes), the transform warpgroup has nothing to do,
+    and a stage holds only B and SFB.
     """
 
     EPILOGUE_BARRIER = 2
@@ -2213,8 +2463,15 @@ class Sm90BlockScaledGroupedGemmKernel:
         self.tile_m = 128  # rows of A per tile (wgmma N)
         self.tile_n = 128 * blocks_per_wg  # rows of B per tile (2 consumer warpgroups x bpw x wgmma M 64)
         self.k_chunk = 128  # k elements per stage
+        self.prepass = config.a16_prepass
         self.b_bytes = self.tile_n * 64
-        self.stage_bytes = self.A_BYTES + self.b_bytes + self.SF_BYTES * (1 + blocks_per_wg)
+        # Stage: [A fp4 | B fp4 | SFA | SFB x bpw]; with the prepass A and SFA are not loaded.
+        self.a_stage_bytes = 0 if self.prepass else self.A_BYTES
+        self.sfa_stage_bytes = 0 if self.prepass else self.SF_BYTES
+        self.b_in_stage = self.a_stage_bytes
+        self.sfa_in_stage = self.a_stage_bytes + self.b_bytes
+        self.sfb_in_stage = self.sfa_in_stage + self.sfa_stage_bytes
+        self.stage_bytes = self.sfb_in_stage + self.SF_BYTES * blocks_per_wg
         self.threads = 512
         self.producer_regs = 24
         self.transform_regs = 64
@@ -2226,14 +2483,33 @@ class Sm90BlockScaledGroupedGemmKernel:
         return (group, sizes[group, int(SizeColumn.M)], sizes[group, int(SizeColumn.N)],
                 sizes[group, int(SizeColumn.K)])
 
+    @staticmethod
+    def a16_offset(num_groups: int) -> int:
+        """Byte offset of the fp16 A region in the workspace (after the descriptor rows; prepass only)."""
+        return num_groups * len(Sm90TensorMapSlot) * TENSORMAP_BYTES
+
+    @staticmethod
+    def workspace_bytes(config: "Sm90GemmConfig", problem_sizes) -> int:
+        """Descriptor rows, then (prepass) every group's A as fp16, M x K x 2 bytes each."""
+        a16 = sum(m * k * 2 for m, _, k, _ in problem_sizes) if config.a16_prepass else 0
+        return Sm90BlockScaledGroupedGemmKernel.a16_offset(len(problem_sizes)) + a16
+
     def descriptor_atoms(self) -> tuple:
         """TMA atoms on placeholder tensors, in `descriptor_slots` order (host side of a jit function); each
         group's descriptors get its real addresses and sizes (`group_descriptor_tensors`)."""
         fp4_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, cutlass.Uint8)
         null_u8 = cute.make_ptr(cutlass.Uint8, 0, cute.AddressSpace.gmem, assumed_align=16)
         template_ab = cute.make_tensor(null_u8, cute.make_layout((512, 128), stride=(128, 1)))
-        tma_a, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), template_ab,
-                                               cute.tile_to_shape(fp4_atom, (128, 64), order=(0, 1)), (128, 64))
+        if cutlass.const_expr(self.prepass):
+            # fp16 A, one box = 128 rows x 64 k (128 B, the SW128 row): half of an fp16 A buffer.
+            null_a16 = cute.make_ptr(cutlass.Float16, 0, cute.AddressSpace.gmem, assumed_align=16)
+            template_a16 = cute.make_tensor(null_a16, cute.make_layout((512, 256), stride=(256, 1)))
+            a16_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float16)
+            tma_a, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), template_a16,
+                                                   cute.tile_to_shape(a16_atom, (128, 64), order=(0, 1)), (128, 64))
+        else:
+            tma_a, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), template_ab,
+                                                   cute.tile_to_shape(fp4_atom, (128, 64), order=(0, 1)), (128, 64))
         tma_b, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), template_ab,
                                                cute.tile_to_shape(fp4_atom, (self.tile_n, 64), order=(0, 1)),
                                                (self.tile_n, 64))
@@ -2245,14 +2521,22 @@ class Sm90BlockScaledGroupedGemmKernel:
                                                c_smem_layout, (64, self.tile_m))
         return tma_a, tma_b, tma_c
 
-    def group_descriptor_tensors(self, ptrs: cute.Tensor, sizes: cute.Tensor, group) -> tuple:
+    def group_descriptor_tensors(self, ptrs: cute.Tensor, sizes: cute.Tensor, group,
+                                 tensormaps: cute.Tensor) -> tuple:
         """Group `group`'s global tensors, in `descriptor_slots` order (device side): A and B as fp4 bytes
-        (rows, K / 2), C transposed as (N, M) with n contiguous."""
+        (rows, K / 2) (prepass: A as fp16 (rows, K) in the workspace), C transposed as (N, M), n contiguous."""
         _, m_size, n_size, k_size = self.group_sizes(sizes, group)
         kb = k_size // 2
-        a_tensor = cute.make_tensor(
-            cute.make_ptr(cutlass.Uint8, ptrs[group, int(PtrColumn.A)], cute.AddressSpace.gmem, assumed_align=16),
-            cute.make_layout((m_size, kb), stride=(kb, 1)))
+        if cutlass.const_expr(self.prepass):
+            a16_addr = tensormaps.iterator.toint() + sm90_a16_group_offset(sizes, group, self.num_groups)
+            a_tensor = cute.make_tensor(
+                cute.make_ptr(cutlass.Float16, a16_addr, cute.AddressSpace.gmem, assumed_align=16),
+                cute.make_layout((m_size, k_size), stride=(k_size, 1)))
+        else:
+            a_tensor = cute.make_tensor(
+                cute.make_ptr(cutlass.Uint8, ptrs[group, int(PtrColumn.A)], cute.AddressSpace.gmem,
+                              assumed_align=16),
+                cute.make_layout((m_size, kb), stride=(kb, 1)))
         b_tensor = cute.make_tensor(
             cute.make_ptr(cutlass.Uint8, ptrs[group, int(PtrColumn.B)], cute.AddressSpace.gmem, assumed_align=16),
             cute.make_layout((n_size, kb), stride=(kb, 1)))
@@ -2316,9 +2600,11 @@ class Sm90BlockScaledGroupedGemmKernel:
         if tidx == 0:
             for s in cutlass.range_constexpr(self.num_stages):
                 mbar_init(full_bar + 8 * s, 1)
-                mbar_init(empty_bar + 8 * s, 3 * 128)  # every transform and consumer thread
+                # every consumer thread, and every transform thread where it reads A from the stage
+                mbar_init(empty_bar + 8 * s, (2 if self.prepass else 3) * 128)
             for b in cutlass.range_constexpr(self.NUM_A16):
-                mbar_init(a16_full + 8 * b, 128)  # every transform thread
+                # prepass: the producer's expect-tx (the TMA bytes complete it); else every transform thread
+                mbar_init(a16_full + 8 * b, 1 if self.prepass else 128)
                 mbar_init(a16_empty + 8 * b, 2 * 128)  # every consumer thread
             fence_mbar_init()
         cute.arch.sync_threads()
@@ -2330,11 +2616,13 @@ class Sm90BlockScaledGroupedGemmKernel:
         if warp < 4:
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
             if warp == 0:
-                self.producer(ptrs, sizes, descriptors, total_tiles, bid, grid, full_bar, empty_bar, stages)
+                self.producer(ptrs, sizes, descriptors, total_tiles, bid, grid, full_bar, empty_bar, stages,
+                              a16_base, a16_full, a16_empty)
         elif warp < 8:
             cute.arch.warpgroup_reg_dealloc(self.transform_regs)
-            self.transform(sizes, total_tiles, bid, grid, tidx, full_bar, empty_bar, stages, a16_base,
-                           a16_full, a16_empty)
+            if cutlass.const_expr(not self.prepass):
+                self.transform(sizes, total_tiles, bid, grid, tidx, full_bar, empty_bar, stages, a16_base,
+                               a16_full, a16_empty)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
             self.consumer(tiled_mma, sA16, ptrs, sizes, descriptors, total_tiles, bid, grid, tidx, warp,
@@ -2344,7 +2632,8 @@ class Sm90BlockScaledGroupedGemmKernel:
     # Producer warp
     # -----------------------------------------------------------------------------------------------
     @cute.jit
-    def producer(self, ptrs, sizes, descriptors, total_tiles, bid, grid, full_bar, empty_bar, stages):
+    def producer(self, ptrs, sizes, descriptors, total_tiles, bid, grid, full_bar, empty_bar, stages, a16_base,
+                 a16_full, a16_empty):
         lane = cute.arch.lane_idx()
         leader = cutlass.Int32(0)
         if lane == 0:
@@ -2378,15 +2667,26 @@ class Sm90BlockScaledGroupedGemmKernel:
                 full = full_bar + 8 * s
                 stage = stages + s * self.stage_bytes
                 mbar_arrive_expect_tx(full, self.stage_bytes, leader)
-                tma_load_2d(stage, desc_a, c * 64, m_tile * self.tile_m, full, leader)
-                tma_load_2d(stage + self.A_BYTES, desc_b, c * 64, n_tile * self.tile_n, full, leader)
+                if cutlass.const_expr(not self.prepass):
+                    tma_load_2d(stage, desc_a, c * 64, m_tile * self.tile_m, full, leader)
+                tma_load_2d(stage + self.b_in_stage, desc_b, c * 64, n_tile * self.tile_n, full, leader)
                 sf_off = cutlass.Int64(c) * 1024
-                sf_stage = stage + self.A_BYTES + self.b_bytes
-                bulk_load(sf_stage, sfa + sfa_row + sf_off, self.SF_BYTES, full, leader)
+                if cutlass.const_expr(not self.prepass):
+                    bulk_load(stage + self.sfa_in_stage, sfa + sfa_row + sf_off, self.SF_BYTES, full, leader)
                 for nb in cutlass.range_constexpr(self.bpw):
                     sfb_row = cutlass.Int64((n_tile * self.bpw + nb) * rest_k) * 512
-                    bulk_load(sf_stage + (1 + nb) * self.SF_BYTES, sfb + sfb_row + sf_off, self.SF_BYTES,
-                              full, leader)
+                    bulk_load(stage + self.sfb_in_stage + nb * self.SF_BYTES, sfb + sfb_row + sf_off,
+                              self.SF_BYTES, full, leader)
+                if cutlass.const_expr(self.prepass):
+                    # fp16 A of this chunk: two 64-k boxes into the two halves of fp16 A buffer `b`, once
+                    # the consumers have retired the wgmmas that read its previous contents.
+                    b = chunk % self.NUM_A16
+                    mbar_wait(a16_empty + 8 * b, ((chunk // self.NUM_A16) % 2) ^ 1)
+                    a16_bar = a16_full + 8 * b
+                    mbar_arrive_expect_tx(a16_bar, self.A16_BYTES, leader)
+                    for h in cutlass.range_constexpr(2):
+                        tma_load_2d(a16_base + b * self.A16_BYTES + h * (self.A16_BYTES // 2), desc_a,
+                                    c * self.k_chunk + h * 64, m_tile * self.tile_m, a16_bar, leader)
                 chunk = chunk + 1
             tile = tile + grid
 
@@ -2418,7 +2718,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                 stage = stages + s * self.stage_bytes
                 # words[q'] = physical k 32 q' + [0, 32) of this row: word (q', t) covers 32 q' + 8 t + [0, 8)
                 words = [ld_shared_v4(stage + a_row_off + ((16 * qq) ^ a_swz16)) for qq in range(4)]
-                sf_a = stage + self.A_BYTES + self.b_bytes + sfa_off
+                sf_a = stage + self.sfa_in_stage + sfa_off
                 sf = [ld_shared_u32(sf_a + 512 * sub) for sub in range(2)]
                 mbar_arrive(empty_bar + 8 * s)
                 mbar_wait(a16_empty + 8 * b, ((chunk // self.NUM_A16) % 2) ^ 1)
@@ -2527,11 +2827,11 @@ class Sm90BlockScaledGroupedGemmKernel:
         buf = chunk % self.NUM_A16
         mbar_wait(full_bar + 8 * s, (chunk // self.num_stages) % 2)
         stage = stages + s * self.stage_bytes
-        sf_b = stage + self.A_BYTES + self.b_bytes + self.SF_BYTES
+        sf_b = stage + self.sfb_in_stage
 
         # -- this thread's B rows (r, r + 8 of each block) and their scale words; then release the stage
         b_rows = [(blk, half) for blk in range(self.bpw) for half in range(2)]
-        b_words = [ld_shared_v4(stage + self.A_BYTES + b_off + 4096 * blk + 512 * half) for blk, half in b_rows]
+        b_words = [ld_shared_v4(stage + self.b_in_stage + b_off + 4096 * blk + 512 * half) for blk, half in b_rows]
         b_sf = [ld_shared_u32(sf_b + sfb_off + 8 * blk + 128 * half) for blk, half in b_rows]
         mbar_arrive(empty_bar + 8 * s)
         b_sc = [[scale_to_f16x2(b_sf[r], b_sel + e * 0x101) for e in range(2)] for r in range(2 * self.bpw)]
@@ -2601,6 +2901,8 @@ def _compile(key: tuple) -> Callable:
         kernel = Sm90BlockScaledGroupedGemmKernel(num_groups, config)
         if part == "tensormaps":
             return cute.compile(GroupTensormapKernel(kernel), *tables, num_groups, **options)
+        if part == "convert":
+            return cute.compile(Sm90AConvertKernel(num_groups), *kernel_args((0, 0, 0, 1)), **options)
         return cute.compile(kernel, *kernel_args((0, 0, 0, 1, 1)), **options)
     if not (arch.startswith("sm_10") and not isinstance(config, Sm90GemmConfig)):
         raise UnsupportedDeviceError(f"no kernel for {arch} with {type(config).__name__}: kernels exist for "
@@ -2646,7 +2948,7 @@ LAUNCH_PATH = _choice_from_env("NVFP4_LAUNCH_PATH", "tvm_ffi" if _tvm_ffi_import
 def set_launch_path(name: str) -> None:
     """Select how custom_kernel launches (one of LAUNCH_PATHS); kernels and prepared calls are cached per path."""
     global LAUNCH_PATH
-    _check_choice("launch path", name, LAUNCH_PATHS)
+    _check_setter_name("set_launch_path", "launch path", name, LAUNCH_PATHS)
     if name == "tvm_ffi" and not _tvm_ffi_importable():
         raise ValueError("launch path 'tvm_ffi' needs the apache-tvm-ffi package (import tvm_ffi failed)")
     LAUNCH_PATH = name
@@ -2755,11 +3057,27 @@ def _check_device(device: torch.device) -> None:
 
 
 def kernel_parts(config) -> tuple:
-    """The compiled kernels a variant launches: the GEMM, and the descriptor preparation where it has one."""
-    if isinstance(config, Sm90GemmConfig) or (isinstance(config, Sm100PersistentConfig)
-                                              and config.descriptors_up_front):
+    """The compiled kernels a variant launches: the GEMM, the descriptor preparation where it has one (once
+    per input set), and the Hopper A prepass (every call, before the GEMM) where the config asks for it."""
+    if isinstance(config, Sm90GemmConfig):
+        return ("gemm", "tensormaps", "convert") if config.a16_prepass else ("gemm", "tensormaps")
+    if isinstance(config, Sm100PersistentConfig) and config.descriptors_up_front:
         return ("gemm", "tensormaps")
     return ("gemm",)
+
+
+def make_call_launcher(num_groups: int, arch: str, config, kernel: Callable, metadata) -> Callable[[], object]:
+    """What one custom_kernel call launches: the GEMM, preceded by the Hopper A prepass where there is one."""
+    gemm = make_launcher(kernel, metadata.launch_args)
+    if "convert" not in kernel_parts(config):
+        return gemm
+    convert = make_launcher(compiled_kernel(compile_key(num_groups, arch, config, "convert")), metadata.prepass_args)
+
+    def launch():
+        convert()
+        return gemm()
+
+    return launch
 
 
 def compile_for(num_groups: int, arch: Optional[str] = None, variant: Optional[str] = None) -> Callable:
@@ -2817,8 +3135,8 @@ def _group_spec(size: tuple) -> tuple:
     m, n, k, l = size
     if l != 1:
         return "L must be 1", None
-    if m < 1:
-        return "M must be at least 1", None
+    if m < 0:
+        return "M must be at least 0", None
     if n < 1 or n % N_MULTIPLE:
         # NOTES: partial N tiles would take the masked path that partial M tiles take, but no task shape
         # has one and no B200 has run it here: rejected rather than trusted unverified.
@@ -2864,12 +3182,15 @@ def can_implement(data) -> tuple:
     """(True, "") if `custom_kernel(data)` can run this input, else (False, reason).
 
     The one statement of the constraint set (with `_group_spec`). Pure Python on tensor metadata; needs no
-    GPU. Per group: problem size (m, n, k, l) a 4-tuple of ints with L == 1, M >= 1, N % 128 == 0,
+    GPU. Per group: problem size (m, n, k, l) a 4-tuple of ints with L == 1, M >= 0, N % 128 == 0,
     K % 256 == 0; dtypes and shapes of all seven tensors; the strides the kernel reads a, b, c and both
-    blocked scales with. The plain scales are not read: only their dtype and shape are checked, and they
-    may stay on the CPU, as the task's generator leaves them. Then every tensor the kernel reads must be on
-    one CUDA device with 16-byte aligned data. Layouts of all groups are checked before devices, so a
-    wrong layout is reported as such on CPU tensors too.
+    blocked scales with (not of a tensor with no elements: there is nothing to step through). The plain
+    scales are not read: only their dtype and shape are checked, and they may stay on the CPU, as the
+    task's generator leaves them. Then every tensor the kernel reads, i.e. those of the groups with M > 0,
+    must be on one CUDA device with 16-byte aligned data; a group with M = 0 is never launched (its empty
+    a, c and scales may have any address, even 0), and an input whose groups are all empty needs no device.
+    Layouts of all groups are checked before devices, so a wrong layout is reported as such on CPU tensors
+    too.
     """
     if not (isinstance(data, (tuple, list)) and len(data) == 4):
         return False, "data must be a 4-tuple (abc_tensors, sfasfb_tensors, sfasfb_reordered_tensors, problem_sizes)"
@@ -2900,19 +3221,23 @@ def can_implement(data) -> tuple:
         for name, t, (dtype, shape, strides) in zip(GROUP_TENSOR_NAMES, tensors, spec):
             # Exact strides first: the generator's; the general test only when they differ.
             if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == shape
-                    and (strides is None or t.stride() == strides or _strides_match(t, strides))):
+                    and (strides is None or 0 in shape or t.stride() == strides or _strides_match(t, strides))):
                 return False, f"{_where(i, size)}: {_tensor_reason(name, t, dtype, shape, strides)}"
         num_tiles += ceil_div(size[0], tile_m) * ceil_div(size[1], tile_n)
     if num_tiles >= 2**31:
         return False, f"{num_tiles} output tiles in all: more than one launch grid holds"
-    device = abc[0][0].device
+    launched = [i for i, size in enumerate(sizes) if size[0] > 0]
+    if not launched:
+        return True, ""  # every group is empty: nothing is read, written or launched
+    first = launched[0]
+    device = abc[first][0].device
     if device.type != "cuda":
         return False, f"the tensors are on {device}: the kernel needs every tensor it reads on one CUDA device"
-    for i in range(len(sizes)):
+    for i in launched:
         for name, t in zip(KERNEL_TENSOR_NAMES, (*abc[i], *sfasfb_r[i])):
             if t.device != device:
-                return False, (f"{_where(i, sizes[i])}: {name} is on {t.device}, group 0's a is on {device}; the "
-                               "kernel needs every tensor it reads on one CUDA device")
+                return False, (f"{_where(i, sizes[i])}: {name} is on {t.device}, group {first}'s a is on {device}; "
+                               "the kernel needs every tensor it reads on one CUDA device")
             if t.data_ptr() % GMEM_ALIGN_BYTES:
                 return False, (f"{_where(i, sizes[i])}: {name} data is not {GMEM_ALIGN_BYTES}-byte aligned "
                                "(TMA needs it)")
@@ -2927,7 +3252,7 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
     num_tiles = num_output_tiles(data[3], config.tile_mn)
     if isinstance(config, Sm90GemmConfig):
         num_ctas = min(num_tiles, _device_sm_count(device.index))
-        workspace_bytes = len(data[3]) * len(Sm90BlockScaledGroupedGemmKernel.descriptor_slots) * TENSORMAP_BYTES
+        workspace_bytes = Sm90BlockScaledGroupedGemmKernel.workspace_bytes(config, data[3])
         counts = (num_tiles, num_ctas)
     elif isinstance(config, Sm100PersistentConfig):
         num_ctas = min(num_tiles, _device_sm_count(device.index))
@@ -2942,15 +3267,24 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
     # The tables reach the device on the kernels' own queue, ahead of every kernel that reads them.
     upload = compiled_kernel(compile_key(len(data[3]), _target_arch(device), TABLE_UPLOAD_CONFIG, "upload"))
     make_launcher(upload, (staging.data_ptr(), table_buffer.data_ptr()), upload_args)()
-    return LaunchMetadata(table_buffer, workspace, num_tiles, num_ctas, (*tables, *counts), tables)
+    _table_ring.uploaded()  # the staging piece is handed out again only once this upload has run
+    prepass_args = ()
+    if "convert" in kernel_parts(config):
+        items = max(m * (k // 128) * 4 for m, _, k, _ in data[3])
+        prepass_args = (*tables, ceil_div(items, Sm90AConvertKernel.threads))
+    return LaunchMetadata(table_buffer, workspace, num_tiles, num_ctas, (*tables, *counts), tables, prepass_args)
 
 
 def kernel_config(data, device: torch.device):
     """The kernel configuration custom_kernel runs for this input on this device: on Hopper the tile
-    variant that suits the problem sizes; on Blackwell the tile-table row that suits them (KERNEL_VARIANT
-    "persistent") or KERNEL_VARIANT's fixed config."""
+    variant that suits the problem sizes (SM90_VARIANT "sm90_auto") or SM90_VARIANT's forced tile; on
+    Blackwell the tile-table row that suits them (KERNEL_VARIANT "persistent") or KERNEL_VARIANT's fixed
+    config."""
     if _target_arch(device).startswith("sm_90"):
-        config = choose_sm90_config(data[3], _device_sm_count(device.index))
+        if SM90_VARIANT in SM90_VARIANT_CONFIGS:
+            config = SM90_VARIANT_CONFIGS[SM90_VARIANT]
+        else:
+            config = choose_sm90_config(data[3], _device_sm_count(device.index))
     elif KERNEL_VARIANT in TILE_TABLE_VARIANTS:
         config = choose_sm100_config(data[3], _device_sm_count(device.index))
     else:
@@ -2988,9 +3322,9 @@ class _PreparedCall:
 
     lists: tuple  # (abc_tensors, sfasfb_reordered_tensors, problem_sizes) of the call
     items: tuple  # their items when the entry was made
-    launch: Callable[[], object]  # make_launcher(compiled kernel, metadata.launch_args)
-    metadata: LaunchMetadata
-    outputs: tuple  # the C tensors; a new list of them is returned each call
+    launch: Callable[[], object]  # make_launcher(compiled kernel, metadata.launch_args); _launch_nothing
+    metadata: Optional[LaunchMetadata]  # None when every group is empty
+    outputs: tuple  # every group's C, empty ones included; a new list of them is returned each call
 
 
 # The benchmark times 15 input sets per shape; 16 entries hold them and drop the untimed check copies.
@@ -3005,7 +3339,7 @@ def _prepared_call(data) -> Optional[_PreparedCall]:
     is checked. A tensor object whose storage is swapped in place (`.data =`, `set_`) after a first call
     is not detected; the task's harness never does that, and a new tensor always misses.
     """
-    entry = _prepared_calls.get((KERNEL_VARIANT, LAUNCH_PATH, USE_PDL, id(data)))
+    entry = _prepared_calls.get((KERNEL_VARIANT, SM90_VARIANT, LAUNCH_PATH, USE_PDL, id(data)))
     if entry is None or type(data) is not tuple or len(data) != 4:
         return None
     abc, sfr, sizes = entry.lists
@@ -3017,26 +3351,48 @@ def _prepared_call(data) -> Optional[_PreparedCall]:
     return None
 
 
+def non_empty_groups(data) -> tuple:
+    """The groups the kernels run: `data` without its groups of M = 0 (no tiles, nothing read or written),
+    a 4-tuple of new lists holding the same objects; `data` itself when no group is empty."""
+    sizes = data[3]
+    keep = [i for i, size in enumerate(sizes) if size[0] != 0]
+    if len(keep) == len(sizes):
+        return data
+    return tuple([part[i] for i in keep] for part in data)
+
+
+def _launch_nothing() -> None:
+    """The launch of an input whose groups are all empty."""
+
+
 def _prepare_call(data) -> _PreparedCall:
-    """The full path: constraint check, device check, compile (cached), launch metadata (cached)."""
+    """The full path: constraint check, empty groups dropped, device check, compile (cached), launch metadata
+    (cached). The entry returns every group's C; only the non-empty groups reach the tables and the kernels,
+    which are compiled for their count. With every group empty nothing is checked on the device, compiled or
+    launched."""
     ok, reason = can_implement(data)
     if not ok:
         raise ValueError(reason)
     abc, _, sfr, sizes = data
-    device = abc[0][0].device
-    _check_device(device)
-    config = kernel_config(data, device)
-    kernel = compiled_gemm(len(sizes), _target_arch(device), config)
-    variant, launch_path, pdl = KERNEL_VARIANT, LAUNCH_PATH, USE_PDL
-    metadata = launch_metadata(data, device, config)
+    launched = non_empty_groups(data)
+    if launched[3]:
+        device = launched[0][0][0].device
+        _check_device(device)
+        config = kernel_config(launched, device)
+        kernel = compiled_gemm(len(launched[3]), _target_arch(device), config)
+    variant, sm90_variant, launch_path, pdl = KERNEL_VARIANT, SM90_VARIANT, LAUNCH_PATH, USE_PDL
+    if launched[3]:
+        metadata = launch_metadata(launched, device, config)
+        launch = make_call_launcher(len(launched[3]), _target_arch(device), config, kernel, metadata)
+    else:
+        metadata, launch = None, _launch_nothing
     entry = _PreparedCall(lists=(abc, sfr, sizes), items=(tuple(abc), tuple(sfr), tuple(sizes)),
-                          launch=make_launcher(kernel, metadata.launch_args), metadata=metadata,
-                          outputs=tuple(c for _, _, c in abc))
+                          launch=launch, metadata=metadata, outputs=tuple(c for _, _, c in abc))
     # Only immutable items make identity a proof of equal contents.
     if type(data) is tuple and all(type(x) is tuple for part in entry.items for x in part):
         if len(_prepared_calls) >= PREPARED_CALL_CACHE_SIZE:
             del _prepared_calls[next(iter(_prepared_calls))]
-        _prepared_calls[(variant, launch_path, pdl, id(data))] = entry
+        _prepared_calls[(variant, sm90_variant, launch_path, pdl, id(data))] = entry
     return entry
 
 
@@ -3045,7 +3401,9 @@ def custom_kernel(data: input_t) -> output_t:
 
     Raises ValueError(reason) when `can_implement` rejects the input, UnsupportedDeviceError on a GPU that
     is neither a B200 (sm_100) nor a Hopper (sm_90); both before anything is compiled or launched. A repeated call on the same input
-    objects skips straight to the launch (`_prepared_call`).
+    objects skips straight to the launch (`_prepared_call`). A group with M = 0 is not launched and its C
+    (shape [0, N, 1]) is in the list as given; with every group empty nothing is launched. The kernels run on
+    the legacy default queue of the current device (module docstring: "Which GPU queue").
     """
     entry = _prepared_call(data)
     if entry is None:

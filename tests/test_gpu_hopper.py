@@ -19,8 +19,9 @@ except ImportError:
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not (HOPPER and HAVE_DSL), reason="needs an sm_90 GPU and nvidia-cutlass-dsl")]
 
-# "auto": the tile custom_kernel picks by itself; the others force one entry of SM90_VARIANT_CONFIGS.
-CONFIGS = ["auto", "sm90_tile128", "sm90_tile256"]
+# "auto": the tile custom_kernel picks by itself; the others force one entry of SM90_VARIANT_CONFIGS (the
+# sm90_a16_* ones convert A to fp16 in a prepass kernel first).
+CONFIGS = ["auto", "sm90_tile128", "sm90_tile256", "sm90_a16_tile128", "sm90_a16_tile256"]
 
 
 def _task_cases(section):

@@ -10,36 +10,20 @@ import torch
 
 import reference
 import submission
+from bringup import FILE_RULES
 from conftest import ROOT
 
 SUBMISSION = ROOT / "submission.py"
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The leaderboard's file rules
+# The leaderboard's file rules: the two header lines, never the runner's forbidden word (any case, comments
+# and identifiers too), under 1 MB, nothing imported from this repository but the runner's task.py. One
+# statement of them (bringup.FILE_RULES), which `eval.py export` applies to every copy it writes too.
 # ---------------------------------------------------------------------------------------------------------
-def test_header_lines():
-    lines = SUBMISSION.read_text().splitlines()
-    assert lines[0] == "#!POPCORN leaderboard nvfp4_group_gemm"
-    assert lines[1] == "#!POPCORN gpu B200"
-
-
-def test_no_forbidden_word():
-    # The runner rejects a file containing this word in any case (comments and identifiers too).
-    assert re.search("stream", SUBMISSION.read_text(), flags=re.IGNORECASE) is None
-
-
-def test_size_limit():
-    assert SUBMISSION.stat().st_size < 1_000_000
-
-
-def test_imports_only_what_the_runner_has():
-    # One self-contained file: nothing from this repository but the runner's task.py.
-    local = {"reference", "utils", "eval"}
-    for line in SUBMISSION.read_text().splitlines():
-        match = re.match(r"\s*(?:from|import)\s+([A-Za-z_][\w.]*)", line)
-        if match:
-            assert match[1].split(".")[0] not in local, line
+@pytest.mark.parametrize("rule", list(FILE_RULES))
+def test_file_rule(rule):
+    assert FILE_RULES[rule](SUBMISSION.read_text()) is None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -302,3 +286,344 @@ def test_pinned_table_ring_hands_out_aligned_pieces_and_wraps(monkeypatch):
     for groups in (1, 2, 3, 8, 64):
         ptr_words, words = submission.table_words(groups)
         assert ptr_words % 2 == 0 and ptr_words >= 5 * groups and words - ptr_words == 2 * groups
+
+
+class FakeEvent:
+    """Stands in for KernelQueueEvent: logs record/query/synchronize; `done` is what query() answers."""
+
+    def __init__(self, log):
+        self.log, self.id, self.done = log, len([e for e in log if e[0] == "new"]), False
+        log.append(("new", self.id))
+
+    def record(self):
+        self.log.append(("record", self.id))
+        self.done = False
+
+    def query(self):
+        self.log.append(("query", self.id))
+        return self.done
+
+    def synchronize(self):
+        self.log.append(("synchronize", self.id))
+        self.done = True
+
+
+def _fake_ring(monkeypatch, words):
+    # Host memory stands in for the pinned buffer (and for device buffers): arange shows each piece's offset.
+    monkeypatch.setattr(torch, "empty", lambda n, dtype, device=None, pin_memory=False: torch.arange(n, dtype=dtype))
+    log = []
+    return submission.PinnedTableRing(words, new_event=lambda: FakeEvent(log)), log
+
+
+def _events(ring):
+    return {event.id: event for _, event in ring.pending if event is not None}
+
+
+def test_pinned_table_ring_first_lap_only_records(monkeypatch):
+    ring, log = _fake_ring(monkeypatch, 3 * 14)
+    pieces = []
+    for _ in range(3):
+        pieces.append(ring.take(14))
+        ring.uploaded()
+    assert [int(p[0]) for p in pieces] == [0, 14, 28]
+    # One event per upload, recorded once; nothing queried or waited for: no word was handed out twice.
+    assert log == [("new", 0), ("record", 0), ("new", 1), ("record", 1), ("new", 2), ("record", 2)]
+
+
+def test_pinned_table_ring_waits_for_a_pending_upload_before_reuse(monkeypatch):
+    ring, log = _fake_ring(monkeypatch, 3 * 14)
+    for _ in range(3):
+        ring.take(14)
+        ring.uploaded()
+    events = _events(ring)
+    events[1].done = True  # the second upload ran; the first is still queued
+    log.clear()
+    piece = ring.take(14)  # the first piece's words again
+    assert int(piece[0]) == 0
+    assert log == [("query", 0), ("synchronize", 0)]  # waited, and only for the piece it reuses
+    log.clear()
+    ring.uploaded()
+    assert log == [("record", 0)]  # the completed event is recorded again, not made anew
+    log.clear()
+    ring.take(14)  # the second piece: its upload is done, so a query and no wait
+    assert log == [("query", 1)]
+    ring.uploaded()
+    assert ("new", 3) not in log  # steady state: one record per miss, no new event
+
+
+def test_pinned_table_ring_checks_every_piece_a_larger_piece_covers_newest_first(monkeypatch):
+    ring, log = _fake_ring(monkeypatch, 16)
+    for _ in range(4):
+        ring.take(4)
+        ring.uploaded()
+    events = _events(ring)
+    log.clear()
+    piece = ring.take(10)  # wraps; covers the first three 4-word pieces
+    assert int(piece[0]) == 0 and len(piece) == 10
+    # The newest first: once it is waited for, the older ones on its queue answer their query at once.
+    assert log == [("query", 2), ("synchronize", 2), ("query", 1), ("synchronize", 1),
+                   ("query", 0), ("synchronize", 0)]
+    assert [event.id for _, event in ring.pending if event is not None] == [3]
+    events[3].done = True
+    log.clear()
+    ring.uploaded()
+    ten = ring.pending[-1][1].id  # the 10-word piece's event: a spare one, recorded again
+    assert ten in (0, 1, 2) and log == [("record", ten)]
+    log.clear()
+    piece = ring.take(10)  # 10 + 10 > 16: wraps again; covers the 10-word piece and the last 4-word one
+    assert int(piece[0]) == 0
+    assert log == [("query", ten), ("synchronize", ten), ("query", 3)]
+
+
+def test_pinned_table_ring_skips_pieces_whose_upload_never_launched(monkeypatch):
+    ring, log = _fake_ring(monkeypatch, 2 * 14)
+    ring.take(14)  # e.g. the upload raised before it was launched: no event, nothing reads the piece
+    ring.take(14)
+    ring.uploaded()
+    log.clear()
+    ring.take(14)  # reuses the first piece: nothing to wait for
+    assert log == []
+    with pytest.raises(RuntimeError, match="twice"):
+        ring.uploaded()
+        ring.uploaded()
+
+
+def test_pinned_table_ring_keeps_pieces_whose_wait_failed(monkeypatch):
+    ring, log = _fake_ring(monkeypatch, 2 * 14)
+    for _ in range(2):
+        ring.take(14)
+        ring.uploaded()
+    first = ring.pending[0][1]
+    first.synchronize = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))
+    with pytest.raises(RuntimeError, match="device lost"):
+        ring.take(14)
+    assert len(ring.pending) == 2 and ring.pending[0][1] is first  # still guarded: the next take waits again
+    first.done = True
+    assert int(ring.take(14)[0]) == 0 and ring.pending[0][0] == 14
+
+
+def test_launch_metadata_records_the_upload_of_its_staging_piece(monkeypatch):
+    # _build_launch_metadata launches the upload, then records the piece's event: nothing in between.
+    data = _data()
+    ring, log = _fake_ring(monkeypatch, 64)
+    monkeypatch.setattr(submission, "_table_ring", ring)
+    calls = []
+    monkeypatch.setattr(submission, "compiled_kernel", lambda key: "upload kernel")
+    monkeypatch.setattr(submission, "_target_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(submission, "_device_sm_count", lambda index: 132)
+    monkeypatch.setattr(submission, "aligned_device_buffer", lambda n, align, device: torch.zeros(n // 8 + 16,
+                                                                                              dtype=torch.int64))
+
+    def make_launcher(kernel, raw_args, to_dsl=None):
+        return lambda: calls.append(("upload", list(log)))
+
+    monkeypatch.setattr(submission, "make_launcher", make_launcher)
+    config = submission.choose_sm90_config(data[3], 132)
+    submission._build_launch_metadata(data, torch.device("cpu"), config)
+    assert calls == [("upload", [])]  # the upload launched before any record
+    assert log == [("new", 0), ("record", 0)]
+    assert ring.pending[-1][1].id == 0
+
+
+def _stub_full_path(monkeypatch):
+    """custom_kernel's full path on CPU tensors with everything past the host logic stubbed out: returns
+    (seen, launches): what the stubs were given, and one entry per launch."""
+    seen, launches = {}, []
+    monkeypatch.setattr(submission, "_prepared_calls", {})
+    monkeypatch.setattr(submission, "can_implement", lambda data: (True, ""))  # CPU tensors here
+    monkeypatch.setattr(submission, "_check_device", lambda device: seen.setdefault("device", device))
+    monkeypatch.setattr(submission, "_target_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(submission, "kernel_config",
+                        lambda data, device: seen.setdefault("config_sizes", data[3]) and "config")
+    monkeypatch.setattr(submission, "compiled_gemm",
+                        lambda num_groups, arch, config: seen.setdefault("num_groups", num_groups) and "kernel")
+
+    def launch_metadata(data, device, config):
+        seen["metadata_data"] = data
+        return type("Metadata", (), {"launch_args": (1, 2, 3, 4, 5)})()
+
+    monkeypatch.setattr(submission, "launch_metadata", launch_metadata)
+    monkeypatch.setattr(submission, "make_launcher", lambda kernel, args: lambda: launches.append((kernel, args)))
+    return seen, launches
+
+
+def test_fast_path_never_touches_the_ring(monkeypatch):
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"the prepared-call path used the ring ({name})")
+
+    _, launches = _stub_full_path(monkeypatch)
+    data = _data()
+    first = submission.custom_kernel(data)
+    monkeypatch.setattr(submission, "_table_ring", Untouchable())
+    assert submission._prepared_call(data) is not None
+    out = submission.custom_kernel(data)
+    assert len(launches) == 2 and all(o is c for o, (_, _, c) in zip(out, data[0])) and out is not first
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Groups with M = 0: accepted, never launched, their C returned as given
+# ---------------------------------------------------------------------------------------------------------
+def test_m_zero_passes_every_check_but_the_device():
+    data = _on_meta(_data(m=(0, 40, 0), n=(128, 256, 384), k=(256, 512, 768)))
+    reason = _reason(data)
+    assert re.search(r"(?i)cuda|gpu", reason) and "group" not in reason.lower(), reason
+
+
+def test_all_groups_empty_needs_no_device():
+    # Nothing is read or launched: the CPU tensors of the generator are accepted as they are.
+    data = _data(m=(0, 0), n=(128, 256), k=(256, 512))
+    assert submission.can_implement(data) == (True, "")
+
+
+def test_empty_groups_skip_the_stride_and_device_checks():
+    # An empty group is never launched: its tensors may have any strides and be anywhere (their addresses,
+    # often 0 for a tensor without elements, are never read either).
+    abc, sfs, sfs_r, sizes = _data(m=(0, 0), n=(128, 256), k=(512, 256))
+    a, b, c = abc[0]
+    odd_a = torch.empty_strided(tuple(a.shape), (1, 0, 3), dtype=a.dtype, device="meta")
+    odd_c = torch.empty_strided(tuple(c.shape), (1, 0, 7), dtype=torch.float16)
+    data = ([(odd_a, b, odd_c), abc[1]], sfs, sfs_r, sizes)
+    assert submission.can_implement(data) == (True, "")
+    # A tensor with elements keeps its stride check, in an empty group too (b is [n, k/2, 1]).
+    b_t = b.view(torch.uint8).permute(2, 1, 0).contiguous().permute(2, 1, 0).view(b.dtype)
+    assert "stride" in _reason(([(a, b_t, c), abc[1]], sfs, sfs_r, sizes))
+
+
+def test_empty_group_tensors_keep_their_dtype_and_shape_checks():
+    data = _on_meta(_data(m=(0, 40), n=(128, 256), k=(256, 512)))
+    a, _, c = data[0][0]
+    sfa, _ = data[1][0]
+    sfa_r, _ = data[2][0]
+    meta = lambda shape, dtype: torch.empty(shape, dtype=dtype, device="meta")
+    for slot, index, tensor, what in [
+        (0, 2, meta((0, 128, 1), torch.float32), "dtype"),
+        (0, 2, meta((1, 128, 1), torch.float16), "shape"),
+        (0, 0, meta((0, 64, 1), submission.TORCH_AB_DTYPE), "shape"),
+        (1, 0, torch.empty((0, 8, 1), dtype=submission.TORCH_SF_DTYPE), "shape"),
+        (2, 0, meta((32, 4, 1, 4, 1, 1), submission.TORCH_SF_DTYPE), "shape"),
+        (2, 0, meta(tuple(sfa_r.shape), torch.uint8), "dtype"),
+    ]:
+        reason = _reason(_replace(data, 0, slot, index, tensor))
+        assert "group 0" in reason and "(0, 128, 256, 1)" in reason and what in reason.lower(), reason
+
+
+@pytest.mark.parametrize("m", [-1, -128, 0.0, 1.5, True, None, "0"])
+def test_negative_or_non_int_m_is_rejected(m):
+    abc, sfs, sfs_r, sizes = _on_meta(_data(m=(0, 40), n=(128, 256), k=(256, 512)))
+    reason = _reason((abc, sfs, sfs_r, [(m, 128, 256, 1), sizes[1]]))
+    assert "group 0" in reason, reason
+    if m in (-1, -128):
+        assert "M must be at least 0" in reason
+
+
+def test_generator_and_reference_handle_m_zero():
+    data = _data(m=(0, 40), n=(128, 256), k=(256, 512))
+    (a, b, c), (sfa, sfb), (sfa_r, sfb_r), size = data[0][0], data[1][0], data[2][0], data[3][0]
+    assert (tuple(a.shape), tuple(c.shape), tuple(sfa.shape), tuple(sfa_r.shape)) == (
+        (0, 128, 1), (0, 128, 1), (0, 16, 1), (32, 4, 0, 4, 4, 1))
+    out = reference.ref_kernel(data)
+    assert out[0] is c and out[0].shape == (0, 128, 1)
+
+
+def test_non_empty_groups_keeps_the_same_objects_in_order():
+    data = _data(m=(0, 64, 0, 40), n=(128, 256, 384, 128), k=(256, 512, 256, 768))
+    kept = submission.non_empty_groups(data)
+    assert [s[0] for s in kept[3]] == [64, 40]
+    for part, kept_part in zip(data, kept):
+        assert len(kept_part) == 2 and kept_part[0] is part[1] and kept_part[1] is part[3]
+    full = _data()
+    assert submission.non_empty_groups(full) is full  # nothing to drop: no copies
+    assert submission.non_empty_groups(_data(m=(0, 0), n=(128, 128), k=(256, 256)))[3] == []
+
+
+def test_all_empty_input_returns_every_c_and_launches_nothing(monkeypatch):
+    for name in ("_check_device", "kernel_config", "compiled_gemm", "launch_metadata", "make_launcher"):
+        monkeypatch.setattr(submission, name, lambda *args, _name=name, **kwargs: pytest.fail(f"{_name} called"))
+    monkeypatch.setattr(submission, "_prepared_calls", {})
+    data = _data(m=(0, 0, 0), n=(128, 256, 384), k=(256, 512, 256))
+    cs = [c for _, _, c in data[0]]
+    out = submission.custom_kernel(data)
+    assert isinstance(out, list) and len(out) == 3 and all(o is c for o, c in zip(out, cs))
+    assert submission._prepared_call(data) is not None  # the repeated call is a prepared one
+    again = submission.custom_kernel(data)
+    assert again is not out and all(o is c for o, c in zip(again, cs))
+
+
+def test_mixed_empty_groups_launch_only_the_non_empty_ones(monkeypatch):
+    seen, launches = _stub_full_path(monkeypatch)
+    data = _data(m=(0, 64, 0, 40), n=(128, 256, 384, 128), k=(256, 512, 256, 768))
+    cs = [c for _, _, c in data[0]]
+    out = submission.custom_kernel(data)
+    assert len(out) == 4 and all(o is c for o, c in zip(out, cs))  # every C, in order, the same objects
+    assert seen["num_groups"] == 2 and seen["config_sizes"] == [data[3][1], data[3][3]]
+    kept = seen["metadata_data"]
+    assert [x is y for x, y in zip(kept[0], (data[0][1], data[0][3]))] == [True, True]
+    assert kept[2][0] is data[2][1] and kept[3] == [data[3][1], data[3][3]]
+    assert seen["device"] == data[0][1][0].device
+    assert launches == [("kernel", (1, 2, 3, 4, 5))]
+    again = submission.custom_kernel(data)  # the prepared call: launches again, every C again
+    assert len(launches) == 2 and all(o is c for o, c in zip(again, cs))
+
+
+class FakeDriver:
+    """cuda-python's driver module as KernelQueueEvent uses it; every call logged; `fail_record` makes the
+    next cuEventRecord answer that error once."""
+
+    def __init__(self):
+        from cuda.bindings import driver
+
+        self.CUresult = driver.CUresult
+        self.calls, self.next_handle, self.fail_record, self.pending = [], 100, None, set()
+
+    def cuEventCreate(self, flags):
+        self.next_handle += 1
+        self.calls.append(("create", flags, self.next_handle))
+        return (self.CUresult.CUDA_SUCCESS, self.next_handle)
+
+    def cuEventRecord(self, handle, queue):
+        self.calls.append(("record", handle, queue))
+        if self.fail_record is not None:
+            error, self.fail_record = self.fail_record, None
+            return (error,)
+        self.pending.add(handle)
+        return (self.CUresult.CUDA_SUCCESS,)
+
+    def cuEventQuery(self, handle):
+        self.calls.append(("query", handle))
+        return (self.CUresult.CUDA_ERROR_NOT_READY if handle in self.pending else self.CUresult.CUDA_SUCCESS,)
+
+    def cuEventSynchronize(self, handle):
+        self.calls.append(("synchronize", handle))
+        self.pending.discard(handle)
+        return (self.CUresult.CUDA_SUCCESS,)
+
+    def cuEventDestroy(self, handle):
+        self.calls.append(("destroy", handle))
+        return (self.CUresult.CUDA_SUCCESS,)
+
+
+def test_kernel_queue_event_records_on_the_legacy_default_queue(monkeypatch):
+    driver = FakeDriver()
+    monkeypatch.setattr(submission.KernelQueueEvent, "_driver", driver)
+    event = submission.KernelQueueEvent()
+    assert event.query() and driver.calls == []  # nothing recorded yet: complete, no driver call
+    event.record()
+    assert driver.calls == [("create", 2, 101), ("record", 101, 1)]  # timing off; the legacy queue's handle
+    assert submission.LEGACY_DEFAULT_QUEUE == 1
+    assert not event.query()
+    event.synchronize()
+    assert event.query()
+    driver.calls.clear()
+    event.record()  # recorded again: no new event
+    assert driver.calls == [("record", 101, 1)]
+    # Another context (device) is current: the driver refuses the event; it is made again there.
+    driver.calls.clear()
+    driver.fail_record = driver.CUresult.CUDA_ERROR_INVALID_HANDLE
+    event.record()
+    assert driver.calls == [("record", 101, 1), ("destroy", 101), ("create", 2, 102), ("record", 102, 1)]
+    driver.fail_record = driver.CUresult.CUDA_ERROR_LAUNCH_FAILED
+    with pytest.raises(RuntimeError, match="cuEventRecord"):
+        event.record()
+    event.close()
+    assert driver.calls[-1] == ("destroy", 102) and event.handle is None

@@ -1,0 +1,965 @@
+"""`eval.py bringup`: the first run of the submission on a new GPU; `eval.py export`: a copy of
+submission.py with another default kernel variant; and the leaderboard's file rules, which the tests and
+export share.
+
+bringup (needs a B200, or an H100/H200 for the Hopper tiles):
+
+    python eval.py bringup [--quick] [--json PATH] [--variants a,b] [--timeout S]
+
+1. prints the environment (GPU, compute capability, driver, nvidia-cutlass-dsl, torch, Python, launch path,
+   programmatic dependent launch);
+2. runs every kernel variant (B200: submission.KERNEL_VARIANTS, "persistent" choosing its tile per problem,
+   the persistent_n* variants forcing one tile row; Hopper: submission.SM90_VARIANTS) through every task.yml
+   test and the edge cases of EDGE_CASES (plus groups with M = 0 where can_implement accepts them), each
+   case called twice (a fresh input, then the same input objects again: the prepared-call path), the output
+   poisoned with NaN before each call and compared with the runner's check (reference.check_implementation);
+3. times the task.yml benchmarks of every variant that failed nothing, with eval.py's benchmark method
+   (the runner's: CUDA events around 15 calls on 15 inputs, L2 flushed before each batch); `--quick` caps
+   each benchmark at QUICK_MAX_REPEATS repeats;
+4. recommends the fastest variant (geometric mean over the benchmarks) that passed every case, with the one
+   line of submission.py that makes it the default and the `eval.py export` command that writes that copy.
+
+Each variant runs in its own spawned worker process, which selects it through the environment before it
+imports the submission (NVFP4_KERNEL_VARIANT, as `eval.py --variants` does; NVFP4_SM90_VARIANT on Hopper).
+Every call into a worker has a timeout; a worker that crashes, hangs or leaves the CUDA context unusable
+is killed, the case recorded as CRASH / TIMEOUT / ERROR with the first line of the error, and a fresh worker
+takes the next case (a variant is abandoned after MAX_WORKER_LOSSES lost workers). The workers' own output
+goes to one log file per variant (named in the report). Exit status: 0 with a recommendation, 1 without
+one, 2 when it cannot run (no usable GPU, a GPU without a kernel here, a usage mistake): one line on stderr.
+
+export (no GPU needed):
+
+    python eval.py export --variant NAME -o FILE
+
+writes submission.py with NAME on its marked default line (DEFAULT_KERNEL_VARIANT for a B200 variant,
+DEFAULT_SM90_VARIANT for a Hopper one), after checking the copy against FILE_RULES; it refuses to write a
+file that breaks them, and fails if the marked line is not found exactly once.
+"""
+import argparse
+import dataclasses
+import importlib
+import importlib.metadata
+import json
+import math
+import multiprocessing
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import eval as ev
+
+HERE = Path(__file__).resolve().parent
+SUBMISSION = HERE / "submission.py"
+TASK_YML = HERE / "task.yml"
+
+
+def first_line(text) -> str:
+    """The first non-empty line of an error or message (at most 300 characters)."""
+    if isinstance(text, BaseException):
+        text = f"{type(text).__name__}: {text}"
+    for line in str(text).splitlines():
+        if line.strip():
+            return line.strip()[:300]
+    return str(text).strip()[:300]
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake as one line on stderr (exit status 2)."""
+
+    def error(self, message):
+        print(f"{self.prog}: {message} (--help for usage)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list):
+    """(args, None), or (None, exit status) after a usage mistake or --help."""
+    try:
+        return parser.parse_args(argv), None
+    except SystemExit as exit_:
+        return None, (exit_.code if isinstance(exit_.code, int) else 2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The leaderboard's file rules for the submitted file (tests/test_submission.py checks submission.py with
+# them; export checks every copy it writes)
+# ---------------------------------------------------------------------------------------------------------
+HEADER_LINES = ("#!POPCORN leaderboard nvfp4_group_gemm", "#!POPCORN gpu B200")
+FORBIDDEN_WORD = "stream"  # the runner rejects a file containing it anywhere, in any case
+SIZE_LIMIT_BYTES = 1_000_000
+# Modules of this repository a submission must not import (the runner only has its own task.py).
+LOCAL_MODULES = frozenset({"reference", "utils", "eval", "bench", "bringup"})
+
+
+def rule_header(text: str) -> Optional[str]:
+    lines = text.splitlines()[:2]
+    if lines != list(HEADER_LINES):
+        return f"the first two lines must be {HEADER_LINES[0]!r} and {HEADER_LINES[1]!r}, not {lines!r}"
+    return None
+
+
+def rule_forbidden_word(text: str) -> Optional[str]:
+    found = re.search(FORBIDDEN_WORD, text, flags=re.IGNORECASE)
+    if found:
+        line = text.count("\n", 0, found.start()) + 1
+        return f"line {line} contains the runner's forbidden word {found[0]!r} (in any case, anywhere)"
+    return None
+
+
+def rule_size(text: str) -> Optional[str]:
+    size = len(text.encode("utf-8"))
+    if size >= SIZE_LIMIT_BYTES:
+        return f"{size} bytes: the runner takes files under {SIZE_LIMIT_BYTES} bytes"
+    return None
+
+
+def rule_self_contained(text: str) -> Optional[str]:
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        match = re.match(r"\s*(?:from|import)\s+([A-Za-z_][\w.]*)", line)
+        if match and match[1].split(".")[0] in LOCAL_MODULES:
+            return f"line {lineno} imports {match[1]!r}, which the runner does not have: {line.strip()!r}"
+    return None
+
+
+FILE_RULES = {
+    "header": rule_header,
+    "forbidden_word": rule_forbidden_word,
+    "size": rule_size,
+    "self_contained": rule_self_contained,
+}
+
+
+def file_rule_problems(text: str) -> list:
+    """Every broken file rule, one message each (empty: the file may be submitted)."""
+    return [f"{name}: {problem}" for name, rule in FILE_RULES.items() if (problem := rule(text))]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# export: submission.py with another default variant (one marked line changed)
+# ---------------------------------------------------------------------------------------------------------
+MARKER_COMMENT = "# eval.py export --variant NAME rewrites this line"
+# Which line holds the default for a variant of each kind.
+DEFAULT_LINE_NAMES = {"b200": "DEFAULT_KERNEL_VARIANT", "sm90": "DEFAULT_SM90_VARIANT"}
+
+
+class ExportError(ValueError):
+    """export cannot write the copy; the message says why, in one line."""
+
+
+def default_line(kind: str, variant: str) -> str:
+    """The marked line of submission.py that makes `variant` the default of its kind ("b200" or "sm90")."""
+    return f'{DEFAULT_LINE_NAMES[kind]} = "{variant}"  {MARKER_COMMENT}'
+
+
+def variant_kind(variant: str, b200_variants, sm90_variants) -> str:
+    if variant in b200_variants:
+        return "b200"
+    if variant in sm90_variants:
+        return "sm90"
+    raise ExportError(f"unknown variant {variant!r}; choose one of {', '.join((*b200_variants, *sm90_variants))}")
+
+
+def marked_line(text: str, kind: str) -> tuple:
+    """(index, line) of the one marked default line of `kind` in `text`; ExportError unless there is exactly
+    one line assigning that name, and it has the marker's exact form."""
+    name = DEFAULT_LINE_NAMES[kind]
+    pattern = re.compile(rf'{name} = "[A-Za-z0-9_]+"  {re.escape(MARKER_COMMENT)}')
+    lines = text.split("\n")
+    assigning = [i for i, line in enumerate(lines) if re.match(rf"{name}\s*(?::[^=]*)?=", line)]
+    marked = [i for i in assigning if pattern.fullmatch(lines[i])]
+    if len(assigning) != 1 or len(marked) != 1:
+        raise ExportError(f"submission.py must have exactly one line assigning {name}, of the form "
+                          f"{default_line(kind, 'NAME')!r}; found {len(assigning)} assigning it, "
+                          f"{len(marked)} of that form")
+    return marked[0], lines[marked[0]]
+
+
+def export_text(text: str, variant: str, b200_variants, sm90_variants) -> str:
+    """`text` (submission.py) with `variant` on its marked default line, checked against FILE_RULES."""
+    kind = variant_kind(variant, b200_variants, sm90_variants)
+    index, _ = marked_line(text, kind)
+    lines = text.split("\n")
+    lines[index] = default_line(kind, variant)
+    exported = "\n".join(lines)
+    problems = file_rule_problems(exported)
+    if problems:
+        raise ExportError("the copy would break the leaderboard's file rules: " + "; ".join(problems))
+    return exported
+
+
+def export_main(argv: list) -> int:
+    parser = _OneLineParser(prog="eval.py export",
+                            description="Write a copy of submission.py whose default kernel variant is NAME.")
+    parser.add_argument("--variant", required=True, metavar="NAME",
+                        help="a B200 variant (submission.KERNEL_VARIANTS) or a Hopper one (SM90_VARIANTS)")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the copy")
+    args, status = _parse(parser, argv)
+    if args is None:
+        return status
+    try:
+        import submission
+    except Exception as err:
+        print(f"eval.py export: cannot import submission.py: {first_line(err)}", file=sys.stderr)
+        return 2
+    try:
+        text = export_text(SUBMISSION.read_text(), args.variant, submission.KERNEL_VARIANTS,
+                           getattr(submission, "SM90_VARIANTS", ()))
+    except ExportError as err:
+        print(f"eval.py export: {err}", file=sys.stderr)
+        return 2
+    try:
+        Path(args.output).write_text(text)
+    except OSError as err:
+        print(f"eval.py export: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    kind = variant_kind(args.variant, submission.KERNEL_VARIANTS, getattr(submission, "SM90_VARIANTS", ()))
+    print(f"wrote {args.output}: submission.py with the line {default_line(kind, args.variant)!r}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bringup: the cases
+# ---------------------------------------------------------------------------------------------------------
+# Shapes the task's tests do not reach. Most have every N a multiple of 256, so the forced 256-wide tiles
+# (persistent_n256, sm90_tile256), which never run other N, get them too; "n128" and "mixed" are for the rest.
+EDGE_CASES = {
+    "m1": dict(m=(1,), n=(256,), k=(256,), g=1, seed=21),
+    "m_odd": dict(m=(1, 7, 33, 127, 129, 250), n=(128, 256, 128, 384, 128, 256), k=(256, 512, 256, 768, 256, 512),
+                  g=6, seed=22),
+    "m_odd_n256": dict(m=(1, 8, 33, 127, 129, 1000), n=(256, 512, 256, 768, 256, 512),
+                       k=(256, 512, 256, 768, 256, 512), g=6, seed=23),
+    "m_many_tiles": dict(m=(1000, 300, 257), n=(256, 512, 256), k=(512, 256, 256), g=3, seed=24),
+    "k256": dict(m=(128, 64, 200, 8), n=(512, 256, 1024, 256), k=(256, 256, 256, 256), g=4, seed=25),
+    "k7168": dict(m=(72, 129), n=(256, 512), k=(7168, 7168), g=2, seed=26),
+    "g16": dict(m=tuple(1 + (37 * i) % 300 for i in range(16)), n=tuple(256 * (1 + i % 3) for i in range(16)),
+                k=tuple(256 * (1 + (5 * i) % 7) for i in range(16)), g=16, seed=27),
+    "n128": dict(m=(128, 256, 40, 512), n=(128, 128, 128, 128), k=(512, 1024, 256, 256), g=4, seed=28),
+    "mixed": dict(m=(8, 200, 1, 384), n=(4096, 128, 768, 256), k=(1536, 256, 7168, 512), g=4, seed=29),
+}
+# Groups with M = 0 (an empty group among others, first and last, all of them): run only where the
+# submission's can_implement accepts them (m0_accepted).
+M0_CASES = {
+    "m0_some": dict(m=(0, 128, 0, 200), n=(256, 256, 512, 256), k=(256, 512, 256, 768), g=4, seed=31),
+    "m0_first_last": dict(m=(0, 64, 0), n=(256, 512, 256), k=(256, 256, 256), g=3, seed=32),
+    "m0_all": dict(m=(0, 0), n=(256, 512), k=(256, 512), g=2, seed=33),
+}
+
+
+def _case_spec(args: dict) -> str:
+    return f"g={args['g']} m={list(args['m'])} n={list(args['n'])} k={list(args['k'])}"
+
+
+def cpu_input(reference, args: dict):
+    """The task generator's input for `args`, built on the CPU even where a GPU exists."""
+    import torch
+
+    saved = reference._device
+    reference._device = lambda: torch.device("cpu")
+    try:
+        return reference.generate_input(**args)
+    finally:
+        reference._device = saved
+
+
+def m0_accepted(submission, reference, args: dict) -> bool:
+    """Whether can_implement accepts the groups of `args` whose M is 0. On CPU tensors it always refuses
+    (the device check comes last), so the answer is: it refuses this input for the same reason as the same
+    input with every M = 0 made 1, or accepts it."""
+    ok, reason = submission.can_implement(cpu_input(reference, args))
+    if ok:
+        return True
+    ones = dict(args, m=tuple(m or 1 for m in args["m"]))
+    ok_ones, reason_ones = submission.can_implement(cpu_input(reference, ones))
+    return not ok_ones and reason == reason_ones
+
+
+def build_cases(tests: list, accepts_m0: Callable[[dict], bool]) -> list:
+    """The correctness cases, in order: task.yml's tests (test1..), EDGE_CASES, the accepted M0_CASES."""
+    cases = [dict(label=f"test{i + 1}", kind="test", args=dict(t.args)) for i, t in enumerate(tests)]
+    cases += [dict(label=name, kind="edge", args=dict(args)) for name, args in EDGE_CASES.items()]
+    cases += [dict(label=name, kind="m0", args=dict(args)) for name, args in M0_CASES.items() if accepts_m0(args)]
+    for case in cases:
+        case["args"] = {key: list(v) if isinstance(v, tuple) else v for key, v in case["args"].items()}
+        case["spec"] = _case_spec(case["args"])
+    return cases
+
+
+def not_applicable(args: dict, tile_n: Optional[int]) -> Optional[str]:
+    """Why a variant that forces tiles `tile_n` wide never runs this case (None: it does)."""
+    if tile_n and any(n % tile_n for n in args["n"]):
+        return f"forces {tile_n}-wide tiles; this case has N % {tile_n} != 0"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bringup: the worker process (one per variant) and what it runs
+# ---------------------------------------------------------------------------------------------------------
+def _cuda_usable() -> bool:
+    """Whether the CUDA context still works (after an illegal address, for example, it never does again)."""
+    try:
+        import torch
+
+        torch.cuda.synchronize()
+        return float(torch.ones(1, device="cuda").sum().item()) == 1.0
+    except Exception:
+        return False
+
+
+def job_hello() -> dict:
+    """What the worker runs: the variant it took from the environment, its launch path, the device."""
+    import torch
+
+    import submission
+
+    return dict(pid=os.getpid(), kernel_variant=submission.KERNEL_VARIANT,
+                sm90_variant=getattr(submission, "SM90_VARIANT", None), launch_path=submission.LAUNCH_PATH,
+                pdl=submission.USE_PDL, dsl=submission.DSL_VERSION, device=torch.cuda.get_device_name(),
+                capability=list(torch.cuda.get_device_capability()))
+
+
+def job_state() -> dict:
+    """The launch path at the end (the default tvm_ffi falls back to prepacked if it cannot build)."""
+    import submission
+
+    return dict(launch_path=submission.LAUNCH_PATH)
+
+
+def _max_abs_error(out, expected) -> float:
+    worst = 0.0
+    for o, e in zip(out, expected):
+        if o.numel() == 0:
+            continue
+        diff = (o.float() - e.float().to(o.device)).abs()
+        if diff.isnan().any():
+            return math.inf
+        worst = max(worst, float(diff.max()))
+    return worst
+
+
+def job_check(args: dict) -> dict:
+    """One correctness case: a fresh input, then the same input objects again (the prepared-call path);
+    the output poisoned with NaN before each call (an element the kernel never writes stays NaN and fails
+    the check), each compared with the runner's check."""
+    import torch
+
+    from reference import check_implementation, generate_input
+    from submission import custom_kernel
+
+    start = time.perf_counter()
+    args = {key: tuple(v) if isinstance(v, list) else v for key, v in args.items()}
+    data = generate_input(**args)  # the runner's check writes the reference's result into its C tensors
+    run = ev._clone_data(data)
+    worst = 0.0
+    for call in ("first call", "repeated call"):
+        for _, _, c in run[0]:
+            c.fill_(float("nan"))
+        torch.cuda.synchronize()
+        try:
+            out = custom_kernel(run)
+            torch.cuda.synchronize()
+        except Exception as err:
+            return dict(status="error", error=f"{call}: {first_line(err)}", cuda_ok=_cuda_usable(),
+                        seconds=round(time.perf_counter() - start, 2))
+        unwritten = sum(int(torch.isnan(c).sum()) for c in out if c.numel())
+        good, message = check_implementation(data, out)
+        error = _max_abs_error(out, [c for _, _, c in data[0]]) if len(out) == len(data[0]) else math.inf
+        worst = max(worst, error)
+        if not good:
+            return dict(status="fail", error=f"{call}: {first_line(message)}", max_abs_err=error,
+                        unwritten=unwritten, seconds=round(time.perf_counter() - start, 2))
+    return dict(status="pass", max_abs_err=worst, unwritten=0, seconds=round(time.perf_counter() - start, 2))
+
+
+def job_benchmark(test, max_repeats: int, max_time_ns: float) -> dict:
+    """One benchmark with eval.py's (the runner's) method; its obligatory check of all 15 inputs first."""
+    start = time.perf_counter()
+    result = ev._run_single_benchmark(test, False, max_repeats, max_time_ns, True)
+    seconds = round(time.perf_counter() - start, 2)
+    if isinstance(result, ev.Stats):
+        return dict(status="ok", mean_us=result.mean / 1e3, err_us=result.err / 1e3, best_us=result.best / 1e3,
+                    worst_us=result.worst / 1e3, runs=result.runs, seconds=seconds)
+    return dict(status="fail", error=first_line(result), cuda_ok=_cuda_usable(), seconds=seconds)
+
+
+def _worker_main(conn, env: dict, log_path: Optional[str]) -> None:
+    """A spawned worker: takes its variant from `env` before anything imports the submission, then answers
+    (job "module:function", args) requests with ("ok", value) or ("error", first line) until told to stop."""
+    if log_path:
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        print(f"== worker {os.getpid()} env {env}", flush=True)
+    import faulthandler
+
+    faulthandler.enable()
+    ev._init_worker()
+    os.environ.update(env)
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):
+            return
+        if request is None:
+            return
+        job, args = request
+        try:
+            module, function = job.split(":")
+            reply = ("ok", getattr(importlib.import_module(module), function)(*args))
+        except Exception as err:
+            import traceback
+
+            traceback.print_exc()
+            reply = ("error", first_line(err))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        conn.send(reply)
+
+
+def _exit_description(code: Optional[int]) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def log_lines(path: Optional[str], offset: int = 0) -> list:
+    """The non-empty lines of a worker log from byte `offset` on."""
+    if not path:
+        return []
+    try:
+        with open(path, "rb") as file:
+            file.seek(offset)
+            text = file.read().decode(errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.strip()]
+
+
+_NOT_A_MESSAGE = ("== worker", "  File", "    ", "Current thread", "Thread 0x", "Extension modules", "Traceback")
+
+
+def death_message(lines: list) -> str:
+    """The line of a dead worker's output that says why: the fatal-error line of faulthandler, else the last
+    line that is not part of a traceback."""
+    fatal = [line for line in lines if line.startswith("Fatal Python error")]
+    if fatal:
+        return fatal[0]
+    messages = [line for line in lines if not line.startswith(_NOT_A_MESSAGE)]
+    return messages[-1] if messages else ""
+
+
+class Worker:
+    """One spawned worker process; every call has a timeout, and a dead or hung worker is reported, not
+    waited for. call() returns ("ok", value), ("error", first line), ("crash", why) or ("timeout", why)."""
+
+    def __init__(self, env: dict, log_path: Optional[str] = None):
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.log_path = log_path
+        self.log_offset = os.path.getsize(log_path) if log_path and os.path.exists(log_path) else 0
+        self.process = context.Process(target=_worker_main, args=(child, env, log_path), daemon=True)
+        self.process.start()
+        child.close()
+
+    def call(self, job: str, args: tuple, timeout: float) -> tuple:
+        try:
+            self.conn.send((job, args))
+        except (OSError, ValueError):
+            return "crash", self._death()
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                return "timeout", f"no answer within {timeout:.0f} s (worker killed)"
+            try:
+                if self.conn.poll(min(left, 0.5)):
+                    return self.conn.recv()
+            except (EOFError, OSError):
+                return "crash", self._death()
+            if not self.process.is_alive():
+                try:
+                    if self.conn.poll(0):
+                        return self.conn.recv()
+                except (EOFError, OSError):
+                    pass
+                return "crash", self._death()
+
+    def _death(self) -> str:
+        self.process.join(10)
+        why = f"worker process died ({_exit_description(self.process.exitcode)})"
+        message = death_message(self.log_tail(200))
+        return why + (f": {message[:240]}" if message else "")
+
+    def log_tail(self, lines: int = 20) -> list:
+        """The last lines this worker wrote to its log."""
+        return log_lines(self.log_path, self.log_offset)[-lines:]
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.process.join(20)
+        self.kill()
+        self.conn.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bringup: running one variant
+# ---------------------------------------------------------------------------------------------------------
+MAX_WORKER_LOSSES = 3  # crashes, hangs or unusable CUDA contexts before a variant's remaining cases are skipped
+QUICK_MAX_REPEATS = 5
+
+
+@dataclasses.dataclass
+class Limits:
+    """Timeouts (s) of the calls into a worker and the benchmark stop rules (eval.py benchmark's by default)."""
+
+    start_timeout: float = 300.0  # a fresh worker: import torch, cutlass and the submission, first CUDA call
+    case_timeout: float = 300.0  # one correctness case, its compiles included
+    bench_timeout: float = 900.0  # one benchmark: 15 inputs, their check, up to 2 minutes of repeats
+    max_repeats: int = 100
+    max_time_ns: float = 10e9
+    warmup_repeats: int = 100  # 0: no warm-up run (each benchmark's untimed check of its 15 inputs compiles)
+    max_losses: int = MAX_WORKER_LOSSES
+
+
+QUICK_LIMITS = Limits(start_timeout=180.0, case_timeout=120.0, bench_timeout=120.0, max_repeats=QUICK_MAX_REPEATS,
+                      warmup_repeats=0, max_losses=2)
+
+
+def run_variant(plan: dict, cases: list, benchmarks: list, limits: Limits, start_worker=Worker,
+                log: Callable[[str], None] = ev.progress) -> dict:
+    """Every case, then (if none failed) every benchmark, of one variant, in workers of its own.
+
+    plan: name, env (what selects the variant in a fresh interpreter), selected (the worker must report
+    this as its variant: key, value), tile_n (the forced tile width, None when chosen per problem), log.
+    benchmarks: eval.TestCase objects, labelled bench1...
+    """
+    name = plan["name"]
+    started = time.monotonic()
+    result = dict(variant=name, worker=None, cases={}, benchmarks={}, losses=0, log=plan.get("log"),
+                  launch_path_end=None)
+    state = {"worker": None}
+
+    def lose(worker, why):
+        result["losses"] += 1
+        worker.kill()
+        state["worker"] = None
+        state["tail"] = worker.log_tail()
+        return why
+
+    def worker_or_problem():
+        """(worker, None), or (None, (status, why)) when a fresh worker does not come up."""
+        if state["worker"] is not None:
+            return state["worker"], None
+        worker = start_worker(plan["env"], plan.get("log"))
+        kind, payload = worker.call("bringup:job_hello", (), limits.start_timeout)
+        if kind != "ok":
+            return None, ("crash" if kind == "crash" else kind, lose(worker, f"worker start: {payload}"))
+        key, value = plan["selected"]
+        if payload.get(key) != value:
+            worker.close()
+            result["losses"] = limits.max_losses  # every fresh worker would do the same
+            return None, ("error", f"the worker runs {key}={payload.get(key)!r}, not {value!r}")
+        if result["worker"] is None:
+            result["worker"] = payload
+        state["worker"] = worker
+        return worker, None
+
+    def call(job, args, timeout):
+        """(status dict) of one job, handling lost workers."""
+        if result["losses"] >= limits.max_losses:
+            return dict(status="not run", error=f"variant abandoned after {result['losses']} lost workers")
+        worker, problem = worker_or_problem()
+        if problem:
+            return dict(status=problem[0], error=problem[1], log_tail=state.get("tail", []))
+        kind, payload = worker.call(job, args, timeout)
+        if kind == "ok":
+            if payload.get("cuda_ok") is False:  # the context is gone: the next job needs a fresh worker
+                lose(worker, "")
+            return payload
+        if kind == "error":
+            return dict(status="error", error=payload)
+        return dict(status=kind, error=lose(worker, payload), log_tail=state["tail"])
+
+    for case in cases:
+        reason = not_applicable(case["args"], plan.get("tile_n"))
+        if reason:
+            result["cases"][case["label"]] = dict(status="n/a", error=reason)
+            continue
+        outcome = call("bringup:job_check", (case["args"],), limits.case_timeout)
+        result["cases"][case["label"]] = outcome
+        log(f"[{name}] {case['label']:<14} {outcome['status']}"
+            + (f" ({outcome['seconds']} s)" if "seconds" in outcome else "")
+            + (f": {outcome['error']}" if outcome.get("error") else ""))
+
+    failed = [label for label, c in result["cases"].items() if c["status"] not in ("pass", "n/a")]
+    if failed:
+        why = f"not timed: failed {', '.join(failed[:3])}{' ...' if len(failed) > 3 else ''}"
+        result["benchmarks"] = {b.label: dict(status="not run", error=why) for b in benchmarks}
+    elif benchmarks:
+        if limits.warmup_repeats:  # as eval.py benchmark and the runner: the first benchmark once, untimed
+            log(f"[{name}] warm-up (compile and first launch)...")
+            result["warmup"] = call("bringup:job_benchmark", (benchmarks[0].case, limits.warmup_repeats, 10e7),
+                                    limits.bench_timeout)
+        for bench in benchmarks:
+            outcome = call("bringup:job_benchmark", (bench.case, limits.max_repeats, limits.max_time_ns),
+                           limits.bench_timeout)
+            result["benchmarks"][bench.label] = outcome
+            shown = (f"{outcome['mean_us']:.2f} ± {outcome['err_us']:.2f} µs ({outcome['runs']} repeats)"
+                     if outcome["status"] == "ok" else f"{outcome['status']}: {outcome.get('error', '')}")
+            log(f"[{name}] {bench.label:<14} {shown}")
+    if state["worker"] is not None:
+        kind, payload = state["worker"].call("bringup:job_state", (), 60)
+        if kind == "ok":
+            result["launch_path_end"] = payload["launch_path"]
+        state["worker"].close()
+    result["seconds"] = round(time.monotonic() - started, 1)
+    return result
+
+
+@dataclasses.dataclass
+class Benchmark:
+    label: str
+    case: object  # eval.TestCase
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bringup: verdicts, recommendation and report (pure functions of the results)
+# ---------------------------------------------------------------------------------------------------------
+def verdict(vres: dict) -> tuple:
+    """("pass" | "partial" | "fail", why) of one variant's results. "fail": a case, or the check or run of a
+    benchmark, went wrong. "partial": nothing failed, but some cases are not applicable to it (a forced tile
+    width), so it cannot be the default."""
+    bad = [(label, c) for label, c in vres["cases"].items() if c["status"] not in ("pass", "n/a")]
+    bad += [(label, b) for label, b in vres["benchmarks"].items() if b["status"] not in ("ok", "not run")]
+    if bad:
+        label, c = bad[0]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        return "fail", f"{label}: {c['status']}" + (f": {c['error']}" if c.get("error") else "") + more
+    na = [label for label, c in vres["cases"].items() if c["status"] == "n/a"]
+    if na:
+        return "partial", f"never runs {len(na)} case(s) ({', '.join(na[:4])}{', ...' if len(na) > 4 else ''})"
+    if not vres["cases"]:
+        return "fail", "no case ran"
+    return "pass", ""
+
+
+def benchmark_geomean(vres: dict, labels: list) -> Optional[float]:
+    """Geometric mean of the benchmark means (µs), or None unless every benchmark has one."""
+    times = [vres["benchmarks"].get(label, {}).get("mean_us") for label in labels]
+    if not labels or any(t is None or t <= 0 for t in times):
+        return None
+    return ev.geomean(times)
+
+
+def recommend(results: dict, bench_labels: list, kind: str, default_variant: str) -> dict:
+    """The fastest variant (geometric mean over the benchmarks) among those that passed every case and
+    every benchmark; ties go to the earlier variant. `kind`: "b200" or "sm90" (which default line)."""
+    geos = {name: benchmark_geomean(vres, bench_labels) for name, vres in results.items()}
+    candidates = [name for name, vres in results.items() if verdict(vres)[0] == "pass" and geos[name] is not None]
+    rec = dict(kind=kind, default_variant=default_variant, default_geomean_us=geos.get(default_variant),
+               default_verdict=verdict(results[default_variant])[0] if default_variant in results else None,
+               geomeans_us=geos)
+    if not candidates:
+        return dict(rec, variant=None, reason="no variant passed every case and every benchmark")
+    best = min(candidates, key=lambda name: geos[name])
+    rec.update(variant=best, geomean_us=geos[best], is_default=best == default_variant,
+               line_before=default_line(kind, default_variant), line_after=default_line(kind, best),
+               export_command=f"python eval.py export --variant {best} -o sub_{best}.py")
+    if kind == "b200":
+        rec["submit_command"] = (f"popcorn-cli submit --leaderboard nvfp4_group_gemm --gpu B200 --mode test "
+                                 f"sub_{best}.py")
+    return rec
+
+
+def format_recommendation(rec: dict) -> str:
+    if rec["variant"] is None:
+        return f"recommendation: none ({rec['reason']}); submission.py's default stays {rec['default_variant']}"
+    best = rec["variant"]
+    default = rec["default_variant"]
+    head = f"recommendation: {best} (passed every case; geometric mean {rec['geomean_us']:.2f} µs over the benchmarks"
+    if rec["is_default"]:
+        return head + f")\n  {best} is already submission.py's default: no change"
+    if rec.get("default_geomean_us"):
+        head += f"; the default {default}: {rec['default_geomean_us']:.2f} µs"
+    elif rec.get("default_verdict"):
+        head += f"; the default {default}: {rec['default_verdict'].upper()}"
+    lines = [head + ")",
+             "  to make it the default, change this one line of submission.py:",
+             f"    - {rec['line_before']}",
+             f"    + {rec['line_after']}",
+             f"  or write that copy: {rec['export_command']}"]
+    if rec["kind"] == "sm90":
+        lines.append("  (a Hopper tile choice: the B200 kernels, which the leaderboard runs, ignore this line)")
+    return "\n".join(lines)
+
+
+def _cell(entry: Optional[dict]) -> str:
+    if not entry:
+        return "-"
+    status = entry["status"]
+    if status == "pass":
+        return "ok" if not entry.get("max_abs_err") else f"ok {entry['max_abs_err']:.0e}"
+    if status == "fail":
+        if entry.get("unwritten"):
+            return f"FAIL {entry['unwritten']} NaN"
+        err = entry.get("max_abs_err")
+        return "FAIL" if err is None else f"FAIL {err:.1e}"
+    return {"n/a": "n/a", "not run": "-"}.get(status, status.upper())
+
+
+def format_environment(environment: dict) -> str:
+    return "\n".join(["environment"] + [f"  {key:<20} {value}" for key, value in environment.items()])
+
+
+def format_report(cases: list, benchmarks: list, results: dict, rec: dict, limits: Limits,
+                  log_dir: Optional[str] = None) -> str:
+    """The tables bringup prints after the environment: correctness per case and variant, benchmark µs per
+    variant, a verdict per variant with its first failure, and the recommendation."""
+    names = list(results)
+    width = max([12] + [len(n) + 1 for n in names])
+    out = ["correctness: each case called twice (fresh input, then the same objects again), outputs NaN-poisoned "
+           "first, the runner's check (rtol = atol = 1e-3); a cell is the largest |error| or what went wrong",
+           f"{'case':<15}" + "".join(f"{n:>{width}}" for n in names) + "   shape"]
+    for case in cases:
+        out.append(f"{case['label']:<15}" + "".join(f"{_cell(results[n]['cases'].get(case['label'])):>{width}}"
+                                                     for n in names) + f"   {case['spec']}")
+    repeats = (f"at most {limits.max_repeats} repeats" if limits.max_repeats < 100
+               else "repeats until the error of the mean is under 0.1 % (at most 100 or 2 minutes)")
+    out += ["", f"benchmarks: µs per call, the runner's method (CUDA events around 15 calls on 15 inputs, L2 flushed "
+            f"before each batch; {repeats})",
+            f"{'benchmark':<15}" + "".join(f"{n:>{width}}" for n in names) + "   shape"]
+    labels = [b.label for b in benchmarks]
+    for bench in benchmarks:
+        cells = []
+        for n in names:
+            entry = results[n]["benchmarks"].get(bench.label)
+            if entry and entry["status"] == "ok":
+                cells.append(f"{entry['mean_us']:.2f}±{entry['err_us']:.2f}")
+            else:
+                cells.append(_cell(entry))
+        out.append(f"{bench.label:<15}" + "".join(f"{c:>{width}}" for c in cells) + f"   {_case_spec(bench.case.args)}")
+    geos = [benchmark_geomean(results[n], labels) for n in names]
+    out.append(f"{'geomean':<15}" + "".join(f"{(f'{g:.2f}' if g else '-'):>{width}}" for g in geos))
+    out += ["", "variants"]
+    for n in names:
+        state, why = verdict(results[n])
+        path = results[n].get("launch_path_end") or (results[n].get("worker") or {}).get("launch_path") or "?"
+        out.append(f"  {n:<20} {state.upper():<8} launch path {path:<10}" + (f" {why}" if why else ""))
+    failures = [(n, label, c) for n in names for label, c in results[n]["cases"].items()
+                if c["status"] not in ("pass", "n/a", "not run")]
+    failures += [(n, label, b) for n in names for label, b in results[n]["benchmarks"].items()
+                 if b["status"] not in ("ok", "not run")]
+    if failures:
+        out += ["", "errors (first line of each)"]
+        out += [f"  {n} {label}: {c['status']}: {c.get('error', '')}" for n, label, c in failures]
+    if log_dir:
+        out += ["", f"worker logs (each worker's stdout and stderr): {log_dir}"]
+    out += ["", format_recommendation(rec)]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bringup: environment and main
+# ---------------------------------------------------------------------------------------------------------
+def _driver_version() -> str:
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+        found = proc.stdout.strip().splitlines()
+        if proc.returncode == 0 and found:
+            return found[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "? (nvidia-smi not available)"
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def environment(submission, kind: str) -> dict:
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    major, minor = torch.cuda.get_device_capability(0)
+    try:
+        api = torch._C._cuda_getDriverVersion()
+        driver_api = f"CUDA {api // 1000}.{api % 1000 // 10}"
+    except Exception:
+        driver_api = "CUDA ?"
+    default_name = "DEFAULT_KERNEL_VARIANT" if kind == "b200" else "DEFAULT_SM90_VARIANT"
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "compute capability": f"{major}.{minor}",
+        "SMs": props.multi_processor_count,
+        "memory": f"{props.total_memory / 2**30:.1f} GiB",
+        "driver": f"{_driver_version()} ({driver_api} driver API)",
+        "nvidia-cutlass-dsl": submission.DSL_VERSION,
+        "torch": f"{torch.__version__} (CUDA {torch.version.cuda})",
+        "python": platform.python_version(),
+        "apache-tvm-ffi": _package_version("apache-tvm-ffi"),
+        "launch path": f"{submission.LAUNCH_PATH} (submission.LAUNCH_PATH at import)",
+        "PDL": "on" if submission.USE_PDL else "off",
+        "default variant": f"{getattr(submission, default_name, '?')} (submission.{default_name})",
+        "cpu": _cpu_name(),
+    }
+
+
+def _finite(value):
+    """`value` with every infinite or NaN float written as a string (strict JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _finite(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def bringup_main(argv: list) -> int:
+    parser = _OneLineParser(prog="eval.py bringup",
+                            description="First run on a B200 (or a Hopper GPU): every variant checked and timed.")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"at most {QUICK_MAX_REPEATS} timing repeats per benchmark and shorter timeouts")
+    parser.add_argument("--json", metavar="PATH", help="also write every result as JSON (for a bug report)")
+    parser.add_argument("--variants", metavar="A,B", help="only these variants (default: every one for this GPU)")
+    parser.add_argument("--timeout", type=float, metavar="S", help="timeout of one correctness case (s)")
+    args, status = _parse(parser, argv)
+    if args is None:
+        return status
+    problem = ev.gpu_problem()
+    if problem:
+        print(f"eval.py bringup: cannot run: {problem}", file=sys.stderr)
+        return 2
+    import torch
+
+    capability = torch.cuda.get_device_capability(0)
+    kind = {(10, 0): "b200", (9, 0): "sm90"}.get(tuple(capability))
+    if kind is None:
+        print(f"eval.py bringup: cannot run: {torch.cuda.get_device_name(0)} has compute capability "
+              f"{capability[0]}.{capability[1]}; the submission has kernels for 10.0 (B200) and 9.0 (Hopper) only",
+              file=sys.stderr)
+        return 2
+    try:
+        import reference
+        import submission
+    except Exception as err:
+        print(f"eval.py bringup: cannot import the submission: {first_line(err)}", file=sys.stderr)
+        return 2
+    if kind == "b200":
+        names, variable, default = submission.KERNEL_VARIANTS, "NVFP4_KERNEL_VARIANT", submission.DEFAULT_KERNEL_VARIANT
+    else:
+        names, variable, default = submission.SM90_VARIANTS, "NVFP4_SM90_VARIANT", submission.DEFAULT_SM90_VARIANT
+    if args.variants:
+        chosen = [v for v in args.variants.split(",") if v]
+        unknown = [v for v in chosen if v not in names]
+        if unknown or not chosen:
+            print(f"eval.py bringup: --variants: {', '.join(unknown) or 'none given'} not a variant for this GPU; "
+                  f"choose from {', '.join(names)}", file=sys.stderr)
+            return 2
+        names = tuple(chosen)
+    limits = dataclasses.replace(QUICK_LIMITS if args.quick else Limits())
+    if args.timeout:
+        limits.case_timeout = args.timeout
+    try:
+        tests = ev.load_cases(str(TASK_YML), "tests")
+        bench_cases = ev.load_cases(str(TASK_YML), "benchmarks")
+    except ev.CaseFileError as err:
+        print(f"eval.py bringup: {err}", file=sys.stderr)
+        return 2
+    started = time.time()
+    env = environment(submission, kind)
+    print(format_environment(env), flush=True)
+    cases = build_cases(tests, lambda a: m0_accepted(submission, reference, a))
+    benchmarks = [Benchmark(f"bench{i + 1}", case) for i, case in enumerate(bench_cases)]
+    log_dir = tempfile.mkdtemp(prefix="nvfp4-bringup-")
+    results = {}
+    for name in names:
+        if kind == "b200":
+            config = submission.VARIANT_CONFIGS[name]
+            tile_n = None if name in submission.TILE_TABLE_VARIANTS else config.tile_mn[1]
+            selected = ("kernel_variant", name)
+        else:
+            config = submission.SM90_VARIANT_CONFIGS.get(name)  # None: sm90_auto
+            tile_n = config.tile_mn[1] if config else None
+            selected = ("sm90_variant", name)
+        plan = dict(name=name, env={variable: name}, selected=selected, tile_n=tile_n,
+                    log=str(Path(log_dir) / f"{name}.log"))
+        ev.progress(f"== variant {name} ({len(cases)} cases, {len(benchmarks)} benchmarks)")
+        results[name] = run_variant(plan, cases, benchmarks, limits, start_worker=Worker)
+    rec = recommend(results, [b.label for b in benchmarks], kind, default)
+    ev.progress(f"bringup took {time.time() - started:.0f} s")
+    print("\n" + format_report(cases, benchmarks, results, rec, limits, log_dir))
+    if args.json:
+        document = dict(tool="eval.py bringup", quick=args.quick, arch="sm_100a" if kind == "b200" else "sm_90a",
+                        seconds=round(time.time() - started, 1), environment=env, limits=dataclasses.asdict(limits),
+                        cases=cases, benchmarks=[dict(label=b.label, spec=_case_spec(b.case.args), sol_us=b.case.sol_us)
+                                                 for b in benchmarks],
+                        variants=results, recommendation=rec, worker_logs=log_dir)
+        try:
+            Path(args.json).write_text(json.dumps(_finite(document), indent=1, default=str))
+        except OSError as err:
+            print(f"eval.py bringup: cannot write {args.json}: {err.strerror or err}", file=sys.stderr)
+            return 2
+    return 0 if rec["variant"] else 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The B200 tile rows the task's shapes pick (docs/B200_DESIGN.md, section 3, is this table)
+# ---------------------------------------------------------------------------------------------------------
+def tile_choice_table(num_sms: int = 148) -> str:
+    """Markdown table: for every task.yml test and benchmark, the row of the tile table that
+    submission.choose_sm100_config picks on `num_sms` SMs (variant "persistent"), with the number of tiles
+    and the model's time (sm100_predicted_us, µs) of every row. A row in parentheses is not a candidate
+    (N = 256 needs every N to be a multiple of 256)."""
+    import submission
+
+    rows = submission.SM100_TILE_TABLE
+    name = lambda row: f"{row.tile_mn[0]}×{row.tile_mn[1]}"  # noqa: E731
+    lines = ["| case | G | " + " | ".join(f"{name(row)}: tiles, model µs" for row in rows) + " | chosen |",
+             "| --- | --- | " + " | ".join("---" for _ in rows) + " | --- |"]
+    for section, label in (("tests", "test"), ("benchmarks", "bench")):
+        for i, case in enumerate(ev.load_cases(str(TASK_YML), section)):
+            sizes = [(m, n, k, 1) for m, n, k in zip(case.args["m"], case.args["n"], case.args["k"])]
+            cells = []
+            for row in rows:
+                cell = (f"{submission.num_output_tiles(sizes, row.tile_mn)}, "
+                        f"{submission.sm100_predicted_us(sizes, row, num_sms):.2f}")
+                candidate = all(n % row.tile_mn[1] == 0 for _, n, _, _ in sizes)
+                cells.append(cell if candidate else f"({cell})")
+            chosen = name(submission.choose_sm100_config(sizes, num_sms))
+            lines.append(f"| {label} {i + 1} | {case.args['g']} | " + " | ".join(cells) + f" | {chosen} |")
+    return "\n".join(lines)

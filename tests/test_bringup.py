@@ -1,0 +1,687 @@
+"""eval.py bringup and export on the CPU: the file rules, export of every variant (file rules, one line
+changed, the copy imports with that default), the Hopper variant choice in submission.py, bringup's
+worker processes (answers, errors, crashes, hangs), its case runner and benchmark runner on stand-in
+kernels, its per-variant driver on fake workers, its recommendation and report on fabricated results, the
+no-GPU exit, and the tile table of docs/B200_DESIGN.md against the model."""
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+
+import bringup
+import eval as ev
+import reference
+import submission
+from conftest import ROOT
+
+SUBMISSION_TEXT = (ROOT / "submission.py").read_text()
+ALL_VARIANTS = list(submission.KERNEL_VARIANTS) + list(submission.SM90_VARIANTS)
+
+
+def _clean_env():
+    env = {k: v for k, v in os.environ.items() if k not in ("NVFP4_KERNEL_VARIANT", "NVFP4_SM90_VARIANT")}
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+# ---------------------------------------------------------------------------------------------------------
+# File rules (tests/test_submission.py applies them to submission.py)
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rule,broken", [
+    ("header", lambda t: t.replace("#!POPCORN gpu B200\n", "#!POPCORN gpu H100\n", 1)),
+    ("header", lambda t: "\n" + t),
+    ("forbidden_word", lambda t: t + "\n# a CUDA S" + "TREAM comment\n"),
+    ("forbidden_word", lambda t: t.replace("import ctypes\n", "import ctypes\nmy_s" + "tream = None\n", 1)),
+    ("size", lambda t: t + "#" * bringup.SIZE_LIMIT_BYTES + "\n"),
+    ("self_contained", lambda t: t.replace("import ctypes\n", "import ctypes\nfrom reference import ref_kernel\n", 1)),
+    ("self_contained", lambda t: t.replace("import ctypes\n", "import ctypes\n    import utils\n", 1)),
+])
+def test_each_file_rule_catches_its_break(rule, broken):
+    assert bringup.file_rule_problems(SUBMISSION_TEXT) == []
+    text = broken(SUBMISSION_TEXT)
+    assert text != SUBMISSION_TEXT
+    problems = bringup.file_rule_problems(text)
+    assert len(problems) == 1 and problems[0].startswith(rule + ": "), problems
+
+
+# ---------------------------------------------------------------------------------------------------------
+# export
+# ---------------------------------------------------------------------------------------------------------
+def _export(tmp_path, name):
+    out = tmp_path / f"sub_{name}.py"
+    assert bringup.export_main(["--variant", name, "-o", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("name", ALL_VARIANTS)
+def test_export_changes_exactly_the_default_line(tmp_path, capsys, name):
+    text = _export(tmp_path, name).read_text()
+    assert bringup.file_rule_problems(text) == []
+    assert text.splitlines()[:2] == list(bringup.HEADER_LINES)
+    before, after = SUBMISSION_TEXT.split("\n"), text.split("\n")
+    assert len(before) == len(after)
+    changed = [i for i, (a, b) in enumerate(zip(before, after)) if a != b]
+    kind = "b200" if name in submission.KERNEL_VARIANTS else "sm90"
+    default = submission.DEFAULT_KERNEL_VARIANT if kind == "b200" else submission.DEFAULT_SM90_VARIANT
+    if name == default:
+        assert changed == []
+    else:
+        assert len(changed) == 1
+        assert before[changed[0]] == bringup.default_line(kind, default)
+        assert after[changed[0]] == bringup.default_line(kind, name)
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_exported_copies_import_with_their_default(tmp_path):
+    # Each copy imported as a module of its own from a temporary directory, the project on sys.path, no
+    # NVFP4_* variant in the environment.
+    for name in ALL_VARIANTS:
+        _export(tmp_path, name)
+    probe = textwrap.dedent(f"""
+        import importlib, json, sys
+        sys.path[:0] = [{str(tmp_path)!r}, {str(ROOT)!r}]
+        found = {{}}
+        for name in {ALL_VARIANTS!r}:
+            module = importlib.import_module("sub_" + name)
+            found[name] = [module.KERNEL_VARIANT, module.SM90_VARIANT, module.__file__]
+        print(json.dumps(found))
+    """)
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=_clean_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in ALL_VARIANTS:
+        kernel_variant, sm90_variant, path = found[name]
+        assert path.startswith(str(tmp_path))
+        if name in submission.KERNEL_VARIANTS:
+            assert (kernel_variant, sm90_variant) == (name, submission.DEFAULT_SM90_VARIANT)
+        else:
+            assert (kernel_variant, sm90_variant) == (submission.DEFAULT_KERNEL_VARIANT, name)
+
+
+def test_export_cli_rejects_an_unknown_variant_in_one_line(tmp_path):
+    out = tmp_path / "sub.py"
+    proc = subprocess.run([sys.executable, str(ROOT / "eval.py"), "export", "--variant", "persistent_n512",
+                           "-o", str(out)], cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown variant 'persistent_n512'" in lines[0] and "persistent_n128" in lines[0]
+    assert not out.exists()
+
+
+def test_export_usage_mistake_is_one_line(capsys):
+    assert bringup.export_main(["--variant", "seed"]) == 2  # no -o
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("eval.py export:")
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda t, line: t.replace(line + "\n", ""), "found 0 assigning it"),
+    (lambda t, line: t.replace(line, line + "\n" + line), "found 2 assigning it, 2 of that form"),
+    (lambda t, line: t.replace(line, line.replace("rewrites this line", "rewrites it")), "found 1 assigning it, 0 of"),
+    (lambda t, line: t.replace(line, line + "\nDEFAULT_KERNEL_VARIANT = 'seed'"), "found 2 assigning it, 1 of"),
+])
+def test_export_needs_the_marked_line_exactly_once(damage, match):
+    line = bringup.default_line("b200", submission.DEFAULT_KERNEL_VARIANT)
+    assert SUBMISSION_TEXT.count(line) == 1
+    text = damage(SUBMISSION_TEXT, line)
+    with pytest.raises(bringup.ExportError, match=match):
+        bringup.export_text(text, "seed", submission.KERNEL_VARIANTS, submission.SM90_VARIANTS)
+
+
+def test_export_refuses_a_copy_that_breaks_the_file_rules():
+    text = SUBMISSION_TEXT + "\n# S" + "tream\n"
+    with pytest.raises(bringup.ExportError, match="file rules: forbidden_word"):
+        bringup.export_text(text, "seed", submission.KERNEL_VARIANTS, submission.SM90_VARIANTS)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The Hopper variant choice in submission.py
+# ---------------------------------------------------------------------------------------------------------
+def test_sm90_variant_forces_the_hopper_tile(monkeypatch):
+    monkeypatch.setattr(submission, "_target_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(submission, "_device_sm_count", lambda index: 132)
+    monkeypatch.setattr(submission, "SM90_VARIANT", submission.SM90_VARIANT)  # restored after the test
+    device = torch.device("cuda", 0)
+    # 32 tiles of 128 x 128: the automatic choice is the 128-wide tile here, the 256-wide one on 128 x 256 x 2.
+    data = (None, None, None, [(128, 4096, 1536, 1)])
+    assert submission.SM90_VARIANTS == ("sm90_auto", *submission.SM90_VARIANT_CONFIGS)
+    assert {"sm90_tile128", "sm90_tile256"} <= set(submission.SM90_VARIANTS)
+    submission.set_sm90_variant("sm90_auto")
+    auto = submission.kernel_config(data, device)
+    assert auto.tile_mn == submission.choose_sm90_config(data[3], 132).tile_mn
+    for name, config in submission.SM90_VARIANT_CONFIGS.items():
+        submission.set_sm90_variant(name)
+        assert submission.kernel_config(data, device).tile_mn == config.tile_mn
+    # The B200 choice is unaffected.
+    monkeypatch.setattr(submission, "_target_arch", lambda device: "sm_100a")
+    monkeypatch.setattr(submission, "KERNEL_VARIANT", "persistent_n256")
+    assert submission.kernel_config(data, device) is submission.SM100_TILE_N256
+
+
+def test_set_sm90_variant_rejects_bad_names(monkeypatch):
+    monkeypatch.setattr(submission, "SM90_VARIANT", submission.SM90_VARIANT)
+    with pytest.raises(ValueError, match="sm90_tile512"):
+        submission.set_sm90_variant("sm90_tile512")
+    with pytest.raises(TypeError):
+        submission.set_sm90_variant(128)
+    with pytest.raises(ValueError):
+        submission.set_sm90_variant("persistent")  # a B200 variant is not a Hopper one
+
+
+def test_sm90_variant_from_the_environment_at_import():
+    probe = "import submission; print(submission.SM90_VARIANT, submission.KERNEL_VARIANT)"
+    procs = {}
+    for value in ("sm90_tile256", "bogus"):
+        env = dict(_clean_env(), NVFP4_SM90_VARIANT=value)
+        procs[value] = subprocess.Popen([sys.executable, "-c", probe], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+    results = {value: (proc.wait(timeout=600), *proc.communicate()) for value, proc in procs.items()}
+    code, out, err = results["sm90_tile256"]
+    assert code == 0, err[-3000:]
+    assert out.split() == ["sm90_tile256", submission.DEFAULT_KERNEL_VARIANT]
+    code, out, err = results["bogus"]
+    assert code != 0 and "NVFP4_SM90_VARIANT='bogus'" in err
+
+
+def test_prepared_call_key_holds_the_hopper_variant(monkeypatch):
+    # A prepared call made under one Hopper variant is not reused under another (its config differs).
+    monkeypatch.setattr(submission, "SM90_VARIANT", "sm90_auto")
+    monkeypatch.setattr(submission, "_prepared_calls", {})
+    monkeypatch.setattr(submission, "can_implement", lambda data: (True, ""))
+    monkeypatch.setattr(submission, "_check_device", lambda device: None)
+    monkeypatch.setattr(submission, "_target_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(submission, "kernel_config", lambda data, device: submission.SM90_VARIANT)
+    monkeypatch.setattr(submission, "compiled_gemm", lambda groups, arch, config: ("kernel", config))
+    metadata = types.SimpleNamespace(launch_args=(1, 2, 3, 4, 5))
+    monkeypatch.setattr(submission, "launch_metadata", lambda data, device, config: metadata)
+    launches = []
+    monkeypatch.setattr(submission, "make_launcher", lambda kernel, args: lambda: launches.append(kernel[1]))
+    data = tuple(reference.generate_input(m=(64,), n=(128,), k=(256,), g=1, seed=1))
+    data = (tuple(data[0]), tuple(data[1]), tuple(data[2]), tuple(data[3]))
+    submission.custom_kernel(data)
+    assert submission._prepared_call(data) is not None
+    submission.set_sm90_variant("sm90_tile256")
+    assert submission._prepared_call(data) is None
+    submission.custom_kernel(data)
+    submission.set_sm90_variant("sm90_auto")
+    submission.custom_kernel(data)  # the first entry again
+    assert launches == ["sm90_auto", "sm90_tile256", "sm90_auto"]
+    assert len(submission._prepared_calls) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bringup: cases
+# ---------------------------------------------------------------------------------------------------------
+def _tests():
+    return ev.load_cases(str(ROOT / "task.yml"), "tests")
+
+
+def test_cases_are_task_tests_then_edge_cases_then_accepted_m0():
+    cases = bringup.build_cases(_tests(), lambda args: False)
+    labels = [c["label"] for c in cases]
+    assert labels == [f"test{i}" for i in range(1, 11)] + list(bringup.EDGE_CASES)
+    with_m0 = bringup.build_cases(_tests(), lambda args: args["m"] != (0, 0))
+    assert [c["label"] for c in with_m0][len(labels):] == ["m0_some", "m0_first_last"]
+    assert all(c["kind"] == "m0" for c in with_m0[len(labels):])
+    json.dumps(with_m0)  # plain data, for the JSON report
+
+
+def test_edge_cases_cover_what_the_brief_asks_and_are_valid_inputs():
+    ms = [m for args in bringup.EDGE_CASES.values() for m in args["m"]]
+    assert 1 in ms and any(m % 8 for m in ms) and any(m > 256 for m in ms)
+    assert any(set(args["k"]) == {256} for args in bringup.EDGE_CASES.values())
+    assert any(args["g"] >= 16 for args in bringup.EDGE_CASES.values())
+    assert any(set(args["n"]) == {128} for args in bringup.EDGE_CASES.values())
+    for name, args in bringup.EDGE_CASES.items():
+        assert all(len(args[key]) == args["g"] for key in ("m", "n", "k")), name
+        # Every layout and size check passes on the CPU; only "not a CUDA device" is left.
+        ok, reason = submission.can_implement(bringup.cpu_input(reference, args))
+        assert not ok and "group" not in reason and "cuda" in reason.lower(), (name, reason)
+    # The forced 256-wide tiles still get most of them.
+    runnable = [n for n, a in bringup.EDGE_CASES.items() if bringup.not_applicable(a, 256) is None]
+    assert len(runnable) >= 6 and {"m1", "m_odd_n256", "m_many_tiles", "g16"} <= set(runnable)
+
+
+def test_m0_groups_are_detected_through_can_implement():
+    device_reason = "the tensors are on cpu: the kernel needs every tensor it reads on one CUDA device"
+
+    def fake(accepts):
+        def can_implement(data):
+            for i, size in enumerate(data[3]):
+                if size[0] == 0 and not accepts:
+                    return False, f"group {i} (m, n, k, l) = {tuple(size)}: M must be at least 1"
+            return False, device_reason
+        return types.SimpleNamespace(can_implement=can_implement)
+
+    for args in bringup.M0_CASES.values():
+        assert bringup.m0_accepted(fake(True), reference, args) is True
+        assert bringup.m0_accepted(fake(False), reference, args) is False
+        # The real submission answers either way without raising (another change may add M = 0).
+        assert bringup.m0_accepted(submission, reference, args) in (True, False)
+    ok_sub = types.SimpleNamespace(can_implement=lambda data: (True, ""))
+    assert bringup.m0_accepted(ok_sub, reference, bringup.M0_CASES["m0_some"])
+
+
+def test_forced_tiles_skip_what_they_never_run():
+    assert bringup.not_applicable({"n": (256, 512)}, 256) is None
+    assert "N % 256" in bringup.not_applicable({"n": (256, 128)}, 256)
+    assert bringup.not_applicable({"n": (128,)}, None) is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bringup: worker processes
+# ---------------------------------------------------------------------------------------------------------
+def test_worker_answers_errors_crashes_and_hangs(tmp_path):
+    log = str(tmp_path / "worker.log")
+    worker = bringup.Worker({"NVFP4_BRINGUP_PROBE": "yes"}, log)
+    try:
+        assert worker.call("operator:add", (2, 3), 120) == ("ok", 5)
+        assert worker.call("os:getenv", ("NVFP4_BRINGUP_PROBE",), 30) == ("ok", "yes")  # env set in the worker
+        kind, message = worker.call("builtins:int", ("x",), 30)
+        assert kind == "error" and message.startswith("ValueError: invalid literal")
+        assert worker.call("operator:mul", (3, 4), 30) == ("ok", 12)  # still alive after an error
+        kind, message = worker.call("time:sleep", (60,), 1)
+        assert kind == "timeout" and "1 s" in message and not worker.process.is_alive()
+    finally:
+        worker.kill()
+    crashed = bringup.Worker({}, log)
+    kind, message = crashed.call("os:abort", (), 120)
+    assert kind == "crash" and "SIGABRT" in message and "Fatal Python error" in message
+    assert "ValueError" not in message  # only this worker's part of the shared log
+    exited = bringup.Worker({}, log)
+    kind, message = exited.call("os:_exit", (3,), 120)
+    assert kind == "crash" and "exit status 3" in message
+    done = bringup.Worker({}, None)
+    assert done.call("operator:neg", (1,), 120) == ("ok", -1)
+    done.close()
+    assert done.process.exitcode == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bringup: the jobs, in this process on stand-in kernels (the CPU reference, wrong ones)
+# ---------------------------------------------------------------------------------------------------------
+class _FakeEvent:
+    clock_ms = 0.0
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        _FakeEvent.clock_ms += 0.3
+        self.at = _FakeEvent.clock_ms
+
+    def elapsed_time(self, other):
+        return other.at - self.at
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """Installs a stand-in `submission` module whose custom_kernel is the given function; no CUDA calls."""
+    import utils
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(utils, "clear_l2_cache_large", lambda: None)
+
+    def install(kernel):
+        monkeypatch.setitem(sys.modules, "submission", types.SimpleNamespace(custom_kernel=kernel))
+
+    return install
+
+
+ARGS = dict(m=[40, 129], n=[128, 256], k=[256, 512], g=2, seed=5)
+
+
+def test_job_check_passes_the_reference(stand_in):
+    calls = []
+
+    def kernel(data):
+        calls.append(id(data))
+        assert all(torch.isnan(c).all() for _, _, c in data[0])  # poisoned before each call
+        return reference.ref_kernel(data)
+
+    stand_in(kernel)
+    result = bringup.job_check(ARGS)
+    assert result["status"] == "pass" and result["max_abs_err"] == 0.0 and result["unwritten"] == 0
+    assert len(calls) == 2 and calls[0] == calls[1]  # the second call gets the very same input object
+
+
+def test_job_check_sees_unwritten_and_wrong_elements(stand_in):
+    def skips_a_row(data):
+        out = reference.ref_kernel(data)
+        out[1][5].fill_(float("nan"))  # as if row 5 of group 1 were never written
+        return out
+
+    stand_in(skips_a_row)
+    result = bringup.job_check(ARGS)
+    assert result["status"] == "fail" and result["unwritten"] == 256 and result["max_abs_err"] == math.inf
+    assert result["error"].startswith("first call: mismatch")
+
+    def off_once(data, calls=[]):
+        out = reference.ref_kernel(data)
+        calls.append(1)
+        if len(calls) == 2:
+            out[0][0, 0] += 1.0
+        return out
+
+    stand_in(off_once)
+    result = bringup.job_check(ARGS)
+    assert result["status"] == "fail" and result["error"].startswith("repeated call") and result["max_abs_err"] >= 0.5
+
+    def raises(data):
+        raise ValueError("group 1 (m, n, k, l) = (129, 256, 512, 1): no\nsecond line")
+
+    stand_in(raises)
+    result = bringup.job_check(ARGS)
+    assert result["status"] == "error" and result["error"] == "first call: ValueError: group 1 (m, n, k, l) = " \
+                                                               "(129, 256, 512, 1): no"
+    assert "cuda_ok" in result
+
+
+def test_job_benchmark_uses_the_runners_method(stand_in):
+    stand_in(reference.ref_kernel)
+    case = ev.TestCase(args=dict(m=(64,), n=(128,), k=(256,), g=1, seed=3), spec="x")
+    result = bringup.job_benchmark(case, 4, 10e9)
+    assert result["status"] == "ok" and result["runs"] in (3, 4)  # the runner's stop rule may end it at 3
+    assert result["mean_us"] == pytest.approx(300.0 / 15)  # 0.3 ms between the fake events, 15 calls
+
+    def wrong(data):
+        return [c.zero_() for _, _, c in data[0]]
+
+    stand_in(wrong)
+    result = bringup.job_benchmark(case, 4, 10e9)
+    assert result["status"] == "fail" and "mismatch" in result["error"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bringup: one variant's driver, on fake workers
+# ---------------------------------------------------------------------------------------------------------
+class FakeWorker:
+    """Answers by script: outcome per case seed ("pass", "fail", "crash", "timeout", "cuda_gone"), benchmark
+    means per label."""
+
+    def __init__(self, script, variant):
+        self.script, self.variant, self.alive = script, variant, True
+
+    def call(self, job, args, timeout):
+        assert self.alive
+        if job == "bringup:job_hello":
+            return "ok", dict(kernel_variant=self.variant, launch_path="tvm_ffi")
+        if job == "bringup:job_state":
+            return "ok", dict(launch_path="prepacked")
+        if job == "bringup:job_check":
+            what = self.script.get(args[0]["seed"], "pass")
+            if what in ("crash", "timeout"):
+                self.alive = False
+                return what, f"worker {what}"
+            if what == "cuda_gone":
+                return "ok", dict(status="error", error="first call: CUDA error: an illegal memory access",
+                                  cuda_ok=False)
+            return "ok", dict(status=what, max_abs_err=0.0 if what == "pass" else 3.0, seconds=0.1)
+        if job == "bringup:job_benchmark":
+            case, repeats, _ = args
+            return "ok", dict(status="ok", mean_us=float(case.args["seed"]), err_us=0.1, runs=repeats)
+        raise AssertionError(job)
+
+    def kill(self):
+        self.alive = False
+
+    def close(self):
+        self.alive = False
+
+    def log_tail(self, lines=20):
+        return ["last words"]
+
+
+def _plan(name="persistent", tile_n=None):
+    return dict(name=name, env={"NVFP4_KERNEL_VARIANT": name}, selected=("kernel_variant", name), tile_n=tile_n)
+
+
+def _fake_cases(count):
+    """Cases c0, c1, ...: the odd ones have N = 128 (never run by a forced 256-wide tile)."""
+    return [dict(label=f"c{i}", kind="edge", args=dict(m=[64], n=[128 if i % 2 else 256], k=[256], g=1, seed=i),
+                 spec="") for i in range(count)]
+
+
+def _fake_benchmarks(means=(20.0, 10.0)):
+    return [bringup.Benchmark(f"bench{i + 1}", ev.TestCase(args=dict(m=(64,), n=(128,), k=(256,), g=1, seed=m),
+                                                         spec="")) for i, m in enumerate(means)]
+
+
+def _driver(script, name="persistent", **plan):
+    workers = []
+
+    def start(env, log):
+        workers.append(FakeWorker(script, name))
+        return workers[-1]
+
+    lines = []
+    result = bringup.run_variant(_plan(name, **plan), _fake_cases(6), _fake_benchmarks(),
+                                 bringup.Limits(max_repeats=7), start_worker=start, log=lines.append)
+    return result, workers, lines
+
+
+def test_driver_all_pass_then_benchmarks_in_one_worker():
+    result, workers, lines = _driver({})
+    assert len(workers) == 1
+    assert [c["status"] for c in result["cases"].values()] == ["pass"] * 6
+    assert {k: b["mean_us"] for k, b in result["benchmarks"].items()} == {"bench1": 20.0, "bench2": 10.0}
+    assert result["benchmarks"]["bench1"]["runs"] == 7
+    assert result["launch_path_end"] == "prepacked" and result["worker"]["launch_path"] == "tvm_ffi"
+    assert bringup.verdict(result) == ("pass", "")
+    assert any("c3" in line for line in lines)
+
+
+def test_driver_replaces_lost_workers_and_skips_timing_after_a_failure():
+    result, workers, _ = _driver({1: "crash", 3: "cuda_gone", 4: "fail"})
+    statuses = [c["status"] for c in result["cases"].values()]
+    assert statuses == ["pass", "crash", "pass", "error", "fail", "pass"]
+    assert len(workers) == 3 and result["losses"] == 2  # a fresh worker after the crash and after the lost context
+    assert result["cases"]["c1"]["log_tail"] == ["last words"]
+    assert all(b["status"] == "not run" for b in result["benchmarks"].values())
+    state, why = bringup.verdict(result)
+    assert state == "fail" and why.startswith("c1: crash: worker crash") and "2 more" in why
+
+
+def test_driver_abandons_a_variant_after_too_many_lost_workers():
+    result, workers, _ = _driver({0: "timeout", 1: "crash", 2: "timeout"})
+    assert [c["status"] for c in result["cases"].values()] == ["timeout", "crash", "timeout"] + ["not run"] * 3
+    assert len(workers) == 3
+
+
+def test_driver_marks_cases_a_forced_tile_never_runs():
+    result, workers, _ = _driver({}, name="persistent_n256", tile_n=256)
+    statuses = {k: c["status"] for k, c in result["cases"].items()}
+    assert statuses == {"c0": "pass", "c1": "n/a", "c2": "pass", "c3": "n/a", "c4": "pass", "c5": "n/a"}
+    assert result["benchmarks"]["bench2"]["status"] == "ok"  # still timed, for the table
+    assert bringup.verdict(result)[0] == "partial"
+
+
+def test_driver_refuses_a_worker_on_another_variant():
+    def start(env, log):
+        return FakeWorker({}, "seed")
+
+    result = bringup.run_variant(_plan("persistent"), _fake_cases(3), _fake_benchmarks(), bringup.Limits(),
+                                 start_worker=start, log=lambda line: None)
+    assert [c["status"] for c in result["cases"].values()] == ["error", "not run", "not run"]
+    assert "kernel_variant='seed', not 'persistent'" in result["cases"]["c0"]["error"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bringup: recommendation and report on fabricated results
+# ---------------------------------------------------------------------------------------------------------
+def _result(statuses, means):
+    return dict(cases={f"c{i}": dict(status=s, max_abs_err=0.0 if s == "pass" else 2.5,
+                                     error=None if s == "pass" else "boom") for i, s in enumerate(statuses)},
+                benchmarks={f"bench{i + 1}": (dict(status="ok", mean_us=m, err_us=0.05) if m else
+                                              dict(status="not run", error="failed"))
+                            for i, m in enumerate(means)},
+                worker=dict(launch_path="tvm_ffi"), launch_path_end="tvm_ffi")
+
+
+LABELS = ["bench1", "bench2"]
+FABRICATED = {
+    "persistent": _result(["pass", "pass", "fail"], [None, None]),  # fastest on paper, but wrong
+    "persistent_n64": _result(["pass", "pass", "pass"], [16.0, 9.0]),  # geomean 12
+    "persistent_n128": _result(["pass", "pass", "pass"], [20.0, 5.0]),  # geomean 10: the recommendation
+    "persistent_n256": _result(["pass", "n/a", "pass"], [8.0, 2.0]),  # faster still, but never runs c1
+    "persistent_per_cta": _result(["pass", "crash", "not run"], [None, None]),
+    "seed": _result(["pass", "pass", "pass"], [100.0, 100.0]),
+}
+
+
+def test_recommendation_is_the_fastest_variant_that_passed_everything():
+    rec = bringup.recommend(FABRICATED, LABELS, "b200", "persistent")
+    assert rec["variant"] == "persistent_n128" and rec["geomean_us"] == pytest.approx(10.0)
+    assert not rec["is_default"] and rec["default_verdict"] == "fail"
+    assert rec["line_before"] == bringup.default_line("b200", "persistent")
+    assert rec["line_after"] == ('DEFAULT_KERNEL_VARIANT = "persistent_n128"  '
+                                 '# eval.py export --variant NAME rewrites this line')
+    assert rec["export_command"] == "python eval.py export --variant persistent_n128 -o sub_persistent_n128.py"
+    assert rec["submit_command"].endswith("--mode test sub_persistent_n128.py")
+    # The line is the one export writes, and the one submission.py has for its default.
+    exported = bringup.export_text(SUBMISSION_TEXT, "persistent_n128", submission.KERNEL_VARIANTS,
+                                   submission.SM90_VARIANTS)
+    assert rec["line_after"] in exported.split("\n")
+    assert bringup.default_line("b200", submission.DEFAULT_KERNEL_VARIANT) in SUBMISSION_TEXT.split("\n")
+    text = bringup.format_recommendation(rec)
+    assert "recommendation: persistent_n128" in text and "10.00 µs" in text and "FAIL" in text
+    assert f"- {rec['line_before']}" in text and f"+ {rec['line_after']}" in text and rec["export_command"] in text
+
+
+def test_recommendation_when_the_default_wins_or_nothing_passes():
+    rec = bringup.recommend({"persistent": _result(["pass"], [5.0, 5.0]), "seed": _result(["pass"], [9.0, 9.0])},
+                            LABELS, "b200", "persistent")
+    assert rec["variant"] == "persistent" and rec["is_default"]
+    assert "already submission.py's default: no change" in bringup.format_recommendation(rec)
+    rec = bringup.recommend({"persistent": _result(["fail"], [None, None])}, LABELS, "b200", "persistent")
+    assert rec["variant"] is None and "no variant passed" in bringup.format_recommendation(rec)
+    # A variant that passed every case but lost a benchmark is not recommended either.
+    broken = _result(["pass"], [5.0, None])
+    assert bringup.recommend({"persistent": broken}, LABELS, "b200", "persistent")["variant"] is None
+    broken["benchmarks"]["bench2"] = dict(status="fail", error="mismatch found! ...")
+    assert bringup.verdict(broken) == ("fail", "bench2: fail: mismatch found! ...")
+    # Hopper: the Hopper default line.
+    rec = bringup.recommend({"sm90_auto": _result(["pass"], [9.0, 9.0]), "sm90_tile128": _result(["pass"], [8.0, 9.0])},
+                            LABELS, "sm90", "sm90_auto")
+    assert rec["line_after"] == bringup.default_line("sm90", "sm90_tile128") and "submit_command" not in rec
+    assert "Hopper tile choice" in bringup.format_recommendation(rec)
+
+
+def test_report_tables():
+    cases = [dict(label=f"c{i}", spec=f"g=1 m=[{i}]") for i in range(3)]
+    benchmarks = [bringup.Benchmark(label, ev.TestCase(args=dict(m=(1,), n=(128,), k=(256,), g=1, seed=1), spec=""))
+                  for label in LABELS]
+    rec = bringup.recommend(FABRICATED, LABELS, "b200", "persistent")
+    report = bringup.format_report(cases, benchmarks, FABRICATED, rec, bringup.QUICK_LIMITS, "/tmp/logs")
+    lines = report.splitlines()
+    header = next(line for line in lines if line.startswith("case "))
+    assert all(name in header for name in FABRICATED)
+    row_c2 = next(line for line in lines if line.startswith("c2 "))
+    assert row_c2.split()[1:7] == ["FAIL", "2.5e+00", "ok", "ok", "ok", "-"]
+    row_c1 = next(line for line in lines if line.startswith("c1 "))
+    assert "n/a" in row_c1 and "CRASH" in row_c1
+    assert "5.00±0.05" in next(line for line in lines if line.startswith("bench2 "))
+    geo = next(line for line in lines if line.startswith("geomean "))
+    assert "10.00" in geo and "12.00" in geo and "4.00" in geo
+    assert "at most 5 repeats" in report and "/tmp/logs" in report
+    assert "persistent_per_cta" in report and "c1: crash: boom" in report
+    assert lines[-1].startswith("  or write that copy: python eval.py export --variant persistent_n128")
+    env = bringup.format_environment({"gpu": "NVIDIA B200", "PDL": "on"})
+    assert env.splitlines() == ["environment", f"  {'gpu':<20} NVIDIA B200", f"  {'PDL':<20} on"]
+
+
+def test_json_report_is_strict_json():
+    document = bringup._finite({"a": [math.inf, 1.0, {"b": math.nan}], "c": (1, -math.inf)})
+    assert json.loads(json.dumps(document, allow_nan=False)) == {"a": ["inf", 1.0, {"b": "nan"}], "c": [1, "-inf"]}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bringup without a GPU
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+@pytest.mark.parametrize("args", [["--quick"], ["--json", "out.json"]])
+def test_bringup_without_a_gpu_exits_2_with_one_line(tmp_path, args):
+    proc = subprocess.run([sys.executable, str(ROOT / "eval.py"), "bringup", *args], cwd=tmp_path, env=_clean_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("eval.py bringup: cannot run:") and "GPU" in lines[0]
+    assert proc.stdout == "" and not (tmp_path / "out.json").exists()
+
+
+def test_bringup_end_to_end_on_a_fake_hopper(monkeypatch, tmp_path, capsys):
+    # The whole command on fake workers and a fake GPU: environment, cases, plans, report, JSON.
+    monkeypatch.setattr(ev, "gpu_problem", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index=0: types.SimpleNamespace(multi_processor_count=132, total_memory=141 * 2**30))
+    # Any further Hopper variants are slower than sm90_tile128 here.
+    speed = dict({name: 20.0 for name in submission.SM90_VARIANTS}, sm90_auto=10.0, sm90_tile128=9.0,
+                 sm90_tile256=5.0)
+    seen_env = []
+
+    class Fake:
+        def __init__(self, env, log):
+            seen_env.append(dict(env))
+            self.variant = env["NVFP4_SM90_VARIANT"]
+
+        def call(self, job, args, timeout):
+            if job == "bringup:job_hello":
+                return "ok", dict(sm90_variant=self.variant, launch_path="tvm_ffi")
+            if job == "bringup:job_check":
+                return "ok", dict(status="pass", max_abs_err=0.0, seconds=0.0)
+            if job == "bringup:job_benchmark":
+                return "ok", dict(status="ok", mean_us=speed[self.variant], err_us=0.01, runs=args[1])
+            return "ok", dict(launch_path="tvm_ffi")
+
+        def close(self):
+            pass
+
+        kill = close
+
+    monkeypatch.setattr(bringup, "Worker", Fake)
+    out = tmp_path / "bringup.json"
+    assert bringup.bringup_main(["--quick", "--json", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert seen_env == [{"NVFP4_SM90_VARIANT": name} for name in submission.SM90_VARIANTS]
+    assert report.startswith("environment\n") and "NVIDIA H200" in report and "compute capability" in report
+    # sm90_tile256 is fastest but never runs the N % 256 != 0 tests: sm90_tile128 is the recommendation.
+    assert "recommendation: sm90_tile128" in report
+    assert f"+ {bringup.default_line('sm90', 'sm90_tile128')}" in report
+    document = json.loads(out.read_text())
+    assert document["arch"] == "sm_90a" and document["quick"] is True
+    assert document["recommendation"]["variant"] == "sm90_tile128"
+    assert document["variants"]["sm90_tile256"]["cases"]["test1"]["status"] == "n/a"
+    assert document["variants"]["sm90_auto"]["benchmarks"]["bench1"]["runs"] == bringup.QUICK_MAX_REPEATS
+    assert [c["label"] for c in document["cases"]][:2] == ["test1", "test2"]
+    assert document["environment"]["PDL"] in ("on", "off")
+
+
+def test_bringup_usage_mistake_is_one_line(capsys):
+    assert bringup.bringup_main(["--quick", "--bogus"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--bogus" in err[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# docs/B200_DESIGN.md's table of the tile rows the task's shapes pick is the model's own answer
+# ---------------------------------------------------------------------------------------------------------
+def test_design_doc_tile_table_is_computed():
+    doc = (ROOT / "docs" / "B200_DESIGN.md").read_text()
+    table = bringup.tile_choice_table(148)
+    missing = [line for line in table.splitlines() if line not in doc.splitlines()]
+    assert not missing, ("docs/B200_DESIGN.md, section 3, is out of date; regenerate the table with "
+                         "python -c \"import bringup; print(bringup.tile_choice_table(148))\"; missing: "
+                         + "; ".join(missing[:3]))
+    chosen = [line.rsplit("|", 2)[1].strip() for line in table.splitlines()[2:]]
+    assert chosen[:10].count("128×64") == 2 and chosen[6] == chosen[9] == "128×64"  # tests 7 and 10
+    assert set(chosen[10:]) == {"128×128"}

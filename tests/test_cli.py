@@ -1,0 +1,419 @@
+"""The command line as a new user meets it: every mistake in eval.py and bench.py ends in one line on stderr
+that names the culprit and a non-zero exit, never a traceback; the setters take only what they document;
+`eval.py compile` builds the kernels the cases would run, one row each."""
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import eval as ev
+import submission
+from conftest import ROOT
+
+TRUNCATED_YAML = 'tests:\n  - {"m": [96, 128], "n": [128'
+
+
+def run(script: str, *args, env: dict | None = None, python_args=()) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "POPCORN_FD" and not k.startswith("NVFP4_")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, *python_args, str(ROOT / script), *map(str, args)], cwd=ROOT,
+                          env=full_env, capture_output=True, text=True, timeout=600)
+
+
+def one_line(proc: subprocess.CompletedProcess, returncode: int) -> str:
+    """The single stderr line of a process that had to stop on a mistake."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert proc.returncode == returncode, (proc.returncode, proc.stderr)
+    return lines[0]
+
+
+def in_process_line(capsys, rc: int, returncode: int) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert rc == returncode, (rc, captured.err)
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Case files: one line naming file, line and culprit
+# ---------------------------------------------------------------------------------------------------------
+GOOD_LINE = "m: [64]; n: [128]; k: [256]; g: 1; seed: 1"
+GOOD_ENTRY = '  - {"m": [64], "n": [128], "k": [256], "g": 1, "seed": 1}'
+
+# (file name, content, pieces the message must contain)
+BAD_CASE_FILES = [
+    ("trunc.yml", TRUNCATED_YAML, ["trunc.yml, line 2", "not valid YAML"]),
+    ("list.yml", "- 1\n- 2\n", ["list.yml", "a list at the top level", "'tests'"]),
+    ("entry.yml", f"tests:\n{GOOD_ENTRY}\n  - 5\n", ["entry.yml, line 3", "tests[1]", "mapping", "5 (int)"]),
+    ("key.yml", f'tests:\n{GOOD_ENTRY}\n  - {{"m": [64], "n": [128], "k": [256], "g": 1, "seed": 1, "foo": 3}}\n',
+     ["key.yml, line 3", "tests[1]", "unknown key 'foo'"]),
+    ("sol.yml", 'tests:\n  - {"m": [64], "n": [128], "k": [256], "g": 1, "seed": 1, "sol_us": "fast"}\n',
+     ["sol.yml, line 2", "sol_us", "'fast'"]),
+    ("value.yml", 'tests:\n  - {"m": [64, "x"], "n": [128, 128], "k": [256, 256], "g": 2, "seed": 1}\n',
+     ["value.yml, line 2", "m must be a list of g=2 non-negative integers", "'x'"]),
+    ("key.txt", f"{GOOD_LINE}\n{GOOD_LINE}; foo: 3\n", ["key.txt, line 2", "unknown key 'foo'"]),
+    ("semi.txt", f"{GOOD_LINE};\n", ["semi.txt, line 1", "nothing after the last ';'"]),
+    ("twice.txt", f"{GOOD_LINE}; g: 1\n", ["twice.txt, line 1", "key 'g' given twice"]),
+    ("zero.txt", "m: []; n: []; k: []; g: 0; seed: 1\n", ["zero.txt, line 1", "g must be a positive integer, not 0"]),
+    ("seed.txt", "m: [64]; n: [128]; k: [256]; g: 1; seed: abc\n", ["seed.txt, line 1", "seed must be an integer"]),
+    ("negative.txt", "m: [-64]; n: [128]; k: [256]; g: 1; seed: 1\n", ["negative.txt, line 1", "m must be", "[-64]"]),
+    ("zero_n.txt", "m: [0]; n: [0]; k: [256]; g: 1; seed: 1\n",
+     ["zero_n.txt, line 1", "n must be a list of g=1 positive"]),
+]
+
+
+@pytest.mark.parametrize("name,content,pieces", BAD_CASE_FILES, ids=[c[0] for c in BAD_CASE_FILES])
+def test_bad_case_file_is_one_line_in_every_run_mode(tmp_path, capsys, monkeypatch, name, content, pieces):
+    path = tmp_path / name
+    path.write_text(content)
+    # Checked before the GPU: with a GPU stand-in that refuses, the case file must still be what is reported.
+    monkeypatch.setattr(ev, "gpu_problem", lambda: "no GPU in this test")
+    for mode in ("test", "benchmark") if name.endswith(".txt") else ("test",):
+        line = in_process_line(capsys, ev.main([mode, str(path)]), 2)
+        assert line.startswith("eval.py: ") and all(piece in line for piece in pieces), line
+
+
+def test_missing_case_file_is_named(tmp_path, capsys):
+    line = in_process_line(capsys, ev.main(["test", str(tmp_path / "absent.yml")]), 2)
+    assert "cannot read case file" in line and "absent.yml" in line
+
+
+def test_unknown_keys_are_rejected_at_parse_time(tmp_path):
+    path = tmp_path / "cases.txt"
+    path.write_text(f"{GOOD_LINE}; foo: 3\n")
+    with pytest.raises(ev.CaseFileError, match="unknown key 'foo'; a case has m, n, k, g, seed"):
+        ev.load_cases(str(path), "tests")
+    # sol_us belongs to task.yml entries only; the runner's text format has no such key
+    path.write_text(f"{GOOD_LINE}; sol_us: 3\n")
+    with pytest.raises(ev.CaseFileError, match="unknown key 'sol_us'"):
+        ev.load_cases(str(path), "tests")
+
+
+def test_an_empty_group_is_a_valid_case(tmp_path):
+    path = tmp_path / "cases.txt"
+    path.write_text("m: [0, 64]; n: [128, 256]; k: [256, 512]; g: 2; seed: 3\n")
+    (case,) = ev.load_cases(str(path), "tests")
+    assert case.args == {"m": (0, 64), "n": (128, 256), "k": (256, 512), "g": 2, "seed": 3}
+
+
+def test_truncated_yaml_in_a_subprocess(tmp_path):
+    path = tmp_path / "cases.yml"
+    path.write_text(TRUNCATED_YAML)
+    line = one_line(run("eval.py", "test", path), 2)
+    assert f"{path}, line 2: not valid YAML" in line
+    # the runner's code for an unreadable case file where POPCORN_FD is set
+    line = one_line(run("eval.py", "test", path, env={"POPCORN_FD": "1"}), 113)
+    assert f"{path}, line 2" in line
+    line = one_line(run("eval.py", "compile", path), 2)
+    assert line.startswith("eval.py compile: ") and f"{path}, line 2" in line
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Modes, options and help
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("popcorn", [False, True])
+def test_unknown_mode_is_named_before_the_gpu_check(popcorn):
+    proc = run("eval.py", "tset", ROOT / "task.yml", env={"POPCORN_FD": "1"} if popcorn else {})
+    line = one_line(proc, 2)
+    assert "'tset'" in line and all(mode in line for mode in ev.RUN_MODES + ("compile",)), line
+    assert "CUDA" not in line and proc.stdout == ""  # the mode, not the GPU; no docstring dump
+
+
+def test_popcorn_without_arguments_says_what_it_needs():
+    line = one_line(run("eval.py", env={"POPCORN_FD": "1"}), 2)
+    assert "POPCORN_FD" in line and "MODE FILE" in line
+
+
+def test_popcorn_fd_that_is_not_a_descriptor():
+    line = one_line(run("eval.py", "test", ROOT / "task.yml", env={"POPCORN_FD": "three"}), 2)
+    assert "POPCORN_FD='three'" in line
+
+
+def test_help_goes_to_stdout_with_status_0():
+    proc = run("eval.py", "--help")
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert "POPCORN_FD" in proc.stdout and "python eval.py compile" in proc.stdout
+
+
+def test_unknown_option_is_one_line(capsys):
+    line = in_process_line(capsys, _exit_code(ev.main, ["test", "--bogus"]), 2)
+    assert "--bogus" in line
+
+
+def _exit_code(fn, argv) -> int:
+    try:
+        return fn(argv)
+    except SystemExit as stop:  # argparse stops this way, after printing its one line
+        return stop.code
+
+
+def test_unknown_kernel_variant_is_named(capsys, monkeypatch):
+    monkeypatch.setattr(ev, "gpu_problem", lambda: "no GPU in this test")
+    line = in_process_line(capsys, ev.main(["test", "--variants", "persistent,nonsense"]), 2)
+    assert "'nonsense'" in line and all(name in line for name in submission.KERNEL_VARIANTS), line
+
+
+def test_bad_environment_variable_is_named_before_the_gpu_check():
+    line = one_line(run("eval.py", "test", env={"NVFP4_KERNEL_VARIANT": "bogus"}), 2)
+    assert "NVFP4_KERNEL_VARIANT='bogus'" in line
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The setters take their documented types and values only
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["0", "1", 0, 1, None, "off"])
+def test_set_pdl_takes_a_bool_only(monkeypatch, value):
+    monkeypatch.setattr(submission, "USE_PDL", False)
+    with pytest.raises(TypeError, match=re.escape(f"set_pdl() takes True or False, not {value!r}")):
+        submission.set_pdl(value)
+    assert submission.USE_PDL is False  # unchanged by the refused call ("0" used to turn it on)
+
+
+def test_set_pdl_switches_with_a_bool(monkeypatch):
+    monkeypatch.setattr(submission, "USE_PDL", submission.USE_PDL)
+    for on in (True, False, True):
+        submission.set_pdl(on)
+        assert submission.USE_PDL is on
+
+
+@pytest.mark.parametrize("setter,names,attribute", [
+    ("set_variant", "KERNEL_VARIANTS", "KERNEL_VARIANT"),
+    ("set_launch_path", "LAUNCH_PATHS", "LAUNCH_PATH"),
+])
+def test_name_setters_take_one_of_their_names(monkeypatch, setter, names, attribute):
+    monkeypatch.setattr(submission, attribute, getattr(submission, attribute))
+    set_ = getattr(submission, setter)
+    for wrong_type in (1, None, ("persistent",), b"prepacked"):
+        with pytest.raises(TypeError, match=re.escape(f"{setter}() takes a")):
+            set_(wrong_type)
+    with pytest.raises(ValueError, match="'no_such_name'"):
+        set_("no_such_name")
+    name = "seed" if setter == "set_variant" else "prepacked"
+    assert name in getattr(submission, names)
+    set_(name)
+    assert getattr(submission, attribute) == name
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bench.py
+# ---------------------------------------------------------------------------------------------------------
+def test_bench_help_shows_its_docstring(capsys):
+    import bench
+
+    assert _exit_code(bench.main, ["--help"]) == 0
+    out = capsys.readouterr().out
+    # the docstring's own layout survives (RawDescriptionHelpFormatter), not just its first line
+    assert "\n    python bench.py [FILE] --pdl-ab ROUNDS\n" in out
+    assert "\n  cuBLAS loop    torch.mm per group" in out
+
+
+@pytest.mark.parametrize("args,pieces", [
+    (["{bad}"], ["{bad}, line 2: not valid YAML"]),
+    (["--launch-paths", "prepacked,bogus"], ["--launch-paths", "'bogus'", "prepacked"]),
+    (["--launch-paths", ","], ["--launch-paths", "tvm_ffi"]),
+    (["--repeats", "0"], ["--repeats", "'0'"]),
+    (["--pdl-ab", "x"], ["--pdl-ab", "'x'"]),
+])
+def test_bench_mistakes_are_one_line_before_the_gpu_check(tmp_path, capsys, monkeypatch, args, pieces):
+    import bench
+
+    bad = tmp_path / "cases.yml"
+    bad.write_text(TRUNCATED_YAML)
+    # a GPU that would be found: the mistake must still be what stops it, before any timing
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "case_inputs", _refuse_build)
+    args = [a.format(bad=bad) for a in args]
+    line = in_process_line(capsys, _exit_code(bench.main, args), 2)
+    assert line.startswith("bench.py: ") and all(p.format(bad=bad) in line for p in pieces), line
+
+
+def test_bench_plot_without_matplotlib_stops_before_anything_else(tmp_path):
+    # matplotlib made unimportable, whether or not it is installed here
+    block = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
+             "runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", block, str(ROOT / "bench.py"), "--plot", str(tmp_path / "r.png")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("NVFP4_")})
+    line = one_line(proc, 2)
+    assert "--plot needs matplotlib" in line and ".[plot]" in line
+
+
+def test_plot_extra_names_matplotlib():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["plot"] == ["matplotlib"]
+
+
+def test_bench_plot_path_is_checked_up_front(tmp_path, monkeypatch):
+    import types
+
+    import bench
+
+    # a stand-in matplotlib, so that this runs whether or not the plot extra is installed
+    fake = types.ModuleType("matplotlib")
+    fake.use = lambda backend: None
+    backend_bases = types.ModuleType("matplotlib.backend_bases")
+    backend_bases.FigureCanvasBase = type("FigureCanvasBase", (), {
+        "get_supported_filetypes": staticmethod(lambda: {"png": "Portable Network Graphics", "pdf": "PDF"})})
+    monkeypatch.setitem(sys.modules, "matplotlib", fake)
+    monkeypatch.setitem(sys.modules, "matplotlib.backend_bases", backend_bases)
+    assert bench.plot_problem(str(tmp_path / "r.png")) is None
+    assert "does not exist" in bench.plot_problem(str(tmp_path / "absent" / "r.png"))
+    assert "cannot write .nope; use one of .pdf, .png" in bench.plot_problem(str(tmp_path / "r.nope"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# eval.py compile: arguments, and one row per kernel it builds
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args,pieces", [
+    (["--groups", "0"], ["--groups 0", "at least 1"]),
+    (["--groups", "2", "-3"], ["--groups -3", "at least 1"]),
+    (["--groups", "2,x"], ["--groups", "'x'", "not a group count"]),
+    (["--arch", "sm_80"], ["'sm_80'", "sm_100a", "sm_90a"]),
+    (["--variant", "sm90_tile128"], ["'sm90_tile128'", "not an sm_100a kernel", "--arch sm_90a", "persistent"]),
+    (["--arch", "sm_90a", "--variant", "fast"], ["'fast'", "sm90_tile128", "sm90_tile256"]),
+])
+def test_compile_mistakes_are_one_line(capsys, monkeypatch, args, pieces):
+    monkeypatch.setattr(ev, "build_one", _refuse_build)
+    line = in_process_line(capsys, _exit_code(ev.compile_main, args), 2)
+    assert line.startswith("eval.py compile: ") and all(piece in line for piece in pieces), line
+
+
+def _refuse_build(*args, **kwargs):
+    raise AssertionError("nothing may be built after a mistake")
+
+
+def test_compile_help_lists_the_variants_of_each_arch(capsys):
+    assert _exit_code(ev.compile_main, ["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    for name in (*submission.KERNEL_VARIANTS, *submission.SM90_VARIANTS):
+        assert name in out
+
+
+class FakeBuilds:
+    """Stands in for build_one: records what would be built, reports success."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, num_groups, arch, cuobjdump, variant=None):
+        self.calls.append((num_groups, arch, variant))
+        return {"ok": True, "error": "", "seconds": 0.1, "resources": {"REG": 40, "SHARED": 1024},
+                "sass": dict.fromkeys(ev.SASS_OPS, 0), "info": {}}
+
+
+@pytest.fixture
+def fake_builds(monkeypatch):
+    builds = FakeBuilds()
+    monkeypatch.setattr(ev, "build_one", builds)
+    monkeypatch.setattr(ev, "find_cuobjdump", lambda: "cuobjdump")
+    return builds
+
+
+def _runtime_tile(monkeypatch, arch: str, num_sms: int, sizes) -> tuple:
+    """The tile custom_kernel itself would run (submission.kernel_config) on a GPU of `arch` with num_sms SMs."""
+    with monkeypatch.context() as patch:
+        patch.setattr(submission, "_target_arch", lambda device: arch)
+        patch.setattr(submission, "_device_sm_count", lambda index: num_sms)
+        return tuple(submission.kernel_config((None, None, None, sizes), torch.device("cuda", 0)).tile_mn)
+
+
+@pytest.mark.parametrize("arch,num_sms", [("sm_100a", 148), ("sm_90a", 132)])
+def test_compile_builds_each_kernel_the_cases_run_once(tmp_path, capsys, monkeypatch, fake_builds, arch, num_sms):
+    # the submission's own defaults: each picks its tile per problem
+    monkeypatch.setattr(submission, "KERNEL_VARIANT", "persistent")
+    monkeypatch.setattr(submission, "SM90_VARIANT", "sm90_auto")
+    report = tmp_path / "report.json"
+    rc = ev.compile_main(["--arch", arch, str(ROOT / "task.yml"), "--json", str(report)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    cases = ev.load_cases(str(ROOT / "task.yml"), "tests") + ev.load_cases(str(ROOT / "task.yml"), "benchmarks")
+    expected = []  # (groups, tile) per case, from the submission's own run-time choice
+    for case in cases:
+        sizes = [(m, n, k, 1) for m, n, k in zip(case.args["m"], case.args["n"], case.args["k"])]
+        expected.append((case.args["g"], _runtime_tile(monkeypatch, arch, num_sms, sizes)))
+    # more than one tile in play, or this test would not tell a per-case choice from the default
+    assert len({tile for _, tile in expected}) >= 2
+    built = [(g, variant) for g, build_arch, variant in fake_builds.calls]
+    assert all(build_arch == arch for _, build_arch, _ in fake_builds.calls)
+    assert len(built) == len(set(built)) == len(set(expected))  # each distinct kernel once
+    configs = submission.SM90_VARIANT_CONFIGS if arch == "sm_90a" else submission.VARIANT_CONFIGS
+    assert {(g, tuple(configs[variant].tile_mn)) for g, variant in built} == set(expected)
+
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("kernel") and "status" in line)
+    kernel_rows = lines[head + 1:head + 1 + len(built)]
+    assert all(" OK " in row for row in kernel_rows) and lines[head + 1 + len(built)] == ""
+    case_rows = lines[head + 1 + len(built) + 2:]  # after the blank line and the "kernel case" heading
+    assert len(case_rows) == len(cases)
+    for case, (g, tile), row in zip(cases, expected, case_rows):
+        a = case.args
+        full_label = f"g={g} m={list(a['m'])} n={list(a['n'])} k={list(a['k'])}"
+        assert row.endswith(full_label), row  # never cut mid-number
+        assert f" {tile[0]}x{tile[1]} g={g} " in row, row
+
+    entries = json.loads(report.read_text())
+    assert [(e["groups"], tuple(e["tile_mn"])) for e in entries] == expected
+
+
+def test_compile_groups_leave_the_case_file_alone(tmp_path, capsys, fake_builds):
+    cases = tmp_path / "cases.txt"
+    cases.write_text("m: [128, 128, 128]; n: [256, 256, 256]; k: [768, 768, 768]; g: 3; seed: 7\n")
+    rc = ev.compile_main(["--groups", "1", "16", str(cases)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert sorted(g for g, _, _ in fake_builds.calls) == [1, 3, 16]  # the case file's g=3 was read
+    assert "g=3 m=[128, 128, 128] n=[256, 256, 256] k=[768, 768, 768]" in out and "g=16 (--groups)" in out
+    fake_builds.calls.clear()
+    assert ev.compile_main(["--groups", "2,4", str(cases)]) == 0
+    assert sorted(g for g, _, _ in fake_builds.calls) == [2, 3, 4]
+
+
+@pytest.mark.parametrize("arch,variant,setter", [("sm_100a", "seed", "set_variant"),
+                                                  ("sm_90a", "sm90_tile256", "set_sm90_variant")])
+def test_a_forced_variant_is_built_for_every_case(capsys, fake_builds, arch, variant, setter):
+    assert ev.compile_main(["--arch", arch, "--variant", variant, str(ROOT / "task.yml")]) == 0
+    groups = {c.args["g"] for s in ("tests", "benchmarks") for c in ev.load_cases(str(ROOT / "task.yml"), s)}
+    assert sorted(fake_builds.calls) == [(g, arch, variant) for g in sorted(groups)]
+    assert f"{setter}({variant!r})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("width", range(4, 60))
+def test_fit_label_never_cuts_inside_a_number(width):
+    text = "g=8 m=[80, 176, 128, 72, 64, 248, 96, 160] n=[4096, 4096, 4096, 4096]"
+    fitted = ev.fit_label(text, width)
+    assert len(fitted) <= width
+    if fitted != text:
+        kept = fitted.removesuffix("…")
+        assert fitted.endswith("…") and text.startswith(kept)
+        # the next character of the original is not a digit continuing the last kept one
+        assert not (kept[-1:].isdigit() and text[len(kept)].isdigit()), fitted
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A real build (minutes on a small CPU; marked build)
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.build
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="needs nvidia-cutlass-dsl")
+@pytest.mark.skipif(ev.find_cuobjdump() is None, reason="needs cuobjdump (nvidia-cuda-cuobjdump)")
+def test_compile_builds_the_case_kernel_and_the_extra_group_count(tmp_path, monkeypatch):
+    cases = tmp_path / "cases.txt"
+    cases.write_text("m: [128]; n: [256]; k: [768]; g: 1; seed: 7\n")
+    tile = _runtime_tile(monkeypatch, "sm_100a", 148, [(128, 256, 768, 1)])
+    report = tmp_path / "report.json"
+    proc = run("eval.py", "compile", cases, "--groups", "2", "--json", report)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    entries = json.loads(report.read_text())
+    assert [(e["groups"], tuple(e["tile_mn"])) for e in entries] == [(1, tile), (2, (128, 128))]
+    for entry in entries:
+        assert entry["ok"] and entry["sass"]["UTCOMMA"] > 0 and entry["sass"]["LDL"] == 0, entry
+    rows = [line for line in proc.stdout.splitlines() if " OK " in line]
+    assert len(rows) == 2 and rows[0].startswith(entries[0]["kernel"]) and rows[1].startswith(entries[1]["kernel"])
