@@ -1,6 +1,6 @@
 """Times the submission against torch baselines on the benchmark shapes, in one run, with the runner's method.
 
-    python bench.py [FILE] [--repeats N] [--plot roofline.png] [--skip-slow] [--launch-paths P,Q]
+    python bench.py [FILE] [--repeats N] [--plot roofline.png] [--skip-slow] [--launch-paths P,Q] [--no-humming]
     python bench.py [FILE] --pdl-ab ROUNDS
 
 For every benchmark case of FILE (default task.yml) it times, each on the same 15 input sets:
@@ -8,6 +8,11 @@ For every benchmark case of FILE (default task.yml) it times, each on the same 1
   dequant+mm     reference.ref_kernel: torch dequantization then fp32 matmul, per group (no tensor cores fp4)
   cuBLAS loop    torch.mm per group on bf16 operands dequantized beforehand (dequantization not timed)
   grouped_mm     torch._grouped_mm on the same pre-dequantized bf16 operands (one call for all groups)
+  humming        where `import humming` works (humming-kernels 0.1.19, vllm-project/humming): its grouped
+                 W4A16 GEMM, one call for all groups, on A already in fp16 (humming has no fp4 x fp4 path on
+                 Hopper) times NVFP4 B (packed fp4, e4m3 block-16 scales) given once to humming's own
+                 transform (not timed); its result is checked against the reference (rtol = atol = 1e-3)
+  A→fp16         that exact dequantization of A for humming (concatenation + one Triton kernel), timed alone
 Timing is the runner's: L2 flushed, CUDA events around 15 back-to-back calls on the 15 inputs, mean per
 call over repeats. It prints µs, × of each baseline against the kernel, and the two floors of this GPU
 (bf16 tensor-core time at the measured matrix rate, and the fp4 bytes at the measured copy bandwidth),
@@ -16,12 +21,22 @@ With --launch-paths (names from submission.LAUNCH_PATHS) it also times the kerne
 launch path, side by side, next to the host cost of one small torch kernel launch.
 With --pdl-ab it only times the kernel with and without programmatic dependent launch (submission.set_pdl),
 alternating in ROUNDS rounds in one process on the same inputs, and prints medians and paired differences.
+Notes under the table say whether humming passed the check (and its worst |err|/tol), or why its column is
+absent (humming-kernels not importable, or --no-humming).
 """
 import argparse
+import glob
+import itertools
+import json
+import math
+import os
+import re
+import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -30,7 +45,7 @@ sys.path.insert(0, str(HERE))
 
 import eval as ev  # noqa: E402  (cases, work counts)
 import reference  # noqa: E402
-from utils import clear_l2_cache_large  # noqa: E402
+from utils import clear_l2_cache_large, verbose_allclose  # noqa: E402
 
 NUM_INPUTS = 15
 # Ceilings measured on an H200 (torch bf16 8192^3 matmul on random data; device-to-device copy).
@@ -76,6 +91,233 @@ def _grouped_operands(pre):
     b = torch.stack([y for _, y in pre]).transpose(1, 2)
     offs = torch.tensor([x.shape[0] for x, _ in pre], dtype=torch.int32, device=a.device).cumsum(0, dtype=torch.int32)
     return a, b, offs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# humming-kernels (vllm-project/humming): an optional peer column. Hopper has no fp4 x fp4 tensor cores and
+# humming does W4A16 there: fp16 A times NVFP4 B (e2m1, e4m3 scales per 16 k, an fp32 scale per group).
+# ---------------------------------------------------------------------------------------------------------
+HUMMING_TOL = dict(rtol=1e-3, atol=1e-3)  # the leaderboard's
+HUMMING_GROUPED = json.dumps({"gemm_type": "grouped_contiguous"})  # A's rows of all groups back to back
+
+try:  # humming imports Triton itself, so it is here whenever the humming column is
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+else:
+    @triton.jit
+    def _nvfp4_to_fp16(q_ptr, s_ptr, out_ptr, rows, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        # out[r, k] = e2m1 code k of row r (two per byte of q, the low nibble first) x e4m3 scale s[r, k // 16];
+        # exact: every such product is an fp16 value
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+        k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+        inside = (r < rows) & (k < K)
+        code = (tl.load(q_ptr + r * (K // 2) + k // 2, mask=inside, other=0).to(tl.int32) >> (k % 2 * 4)) & 15
+        exponent = (code >> 1) & 3
+        half_mantissa = (code & 1).to(tl.float32) * 0.5
+        power = tl.where(exponent == 3, 4.0, tl.where(exponent == 2, 2.0, 1.0))
+        magnitude = tl.where(exponent == 0, half_mantissa, (1.0 + half_mantissa) * power)
+        scale = tl.load(s_ptr + r * (K // 16) + k // 16, mask=inside, other=0).to(tl.float8e4nv, bitcast=True)
+        value = tl.where(code >= 8, -magnitude, magnitude) * scale.to(tl.float32)
+        tl.store(out_ptr + r * K + k, value.to(tl.float16), mask=inside)
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    text = f"{type(err).__name__}: {' '.join(str(err).split())}"
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _nvcc_home() -> Optional[str]:
+    """The toolkit of the nvcc on PATH, through a wrapper script that execs the real one; None without headers."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    real = os.path.realpath(nvcc)
+    try:
+        with open(real, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        head = b""
+    found = re.search(rb"(/[^\s\"']+/bin/nvcc)\b", head) if head.startswith(b"#!") else None
+    if found:
+        real = os.path.realpath(found.group(1).decode())
+    home = os.path.dirname(os.path.dirname(real))
+    return home if os.path.isdir(os.path.join(home, "include")) else None
+
+
+def humming_problem() -> Optional[str]:
+    """Why `import humming` fails here, in one line, or None once it worked.
+
+    humming reads its environment when imported, so it is set first: HUMMING_DISABLE_PARALLEL_BUILD=1 (else
+    the import starts background rebuilds of helper binaries the wheel ships), and CUDA_HOME from the nvcc on
+    PATH where humming's own search ($CUDA_HOME, $CUDA_PATH, /usr/local/cuda*) has nothing. After the import,
+    the NVRTC library's folder goes on LD_LIBRARY_PATH: humming's compile helper process loads it by path and
+    it then looks for its builtins library there.
+    """
+    os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
+    toolkit = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or glob.glob("/usr/local/cuda*/bin/nvcc")
+    home = None if toolkit else _nvcc_home()
+    if home:
+        os.environ["CUDA_HOME"] = home
+    try:
+        import humming  # noqa: F401
+    except Exception as err:  # a missing wheel, or one of its imports (triton, cuda-bindings) failing
+        return _one_line(err)
+    try:
+        from humming.utils.nvrtc import _find_nvrtc_lib_dir
+
+        lib_dir = _find_nvrtc_lib_dir()[0]
+    except Exception:  # no NVRTC (or no CUDA torch): humming compiles with nvcc instead
+        lib_dir = None
+    paths = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
+    if lib_dir and lib_dir not in paths:
+        os.environ["LD_LIBRARY_PATH"] = ":".join([lib_dir, *paths])
+    return None
+
+
+def humming_note(skip: bool) -> Optional[str]:
+    """The note that replaces the humming column, or None when it is shown."""
+    if skip:
+        return "humming column left out (--no-humming)"
+    problem = humming_problem()
+    return f"humming-kernels not importable: {problem}" if problem else None
+
+
+def humming_expert_layout(ms) -> list:
+    """humming's expert_layout of a grouped-contiguous GEMM: the first row of each group in A, then the total."""
+    return [0, *itertools.accumulate(ms)]
+
+
+def humming_weight(data) -> dict:
+    """B of every group as humming takes NVFP4 MoE weights, before its transform: the packed bytes as int32
+    [g, n, k/8] (humming's element i of a word is bits 4i..4i+3: two e2m1 per byte, the low nibble first, as
+    here), the plain e4m3 scales [g, n, k/16] (moved to B's device) and a global scale of 1 per group."""
+    abc, sfs, _, _ = data
+    weight = torch.stack([b[:, :, 0].view(torch.uint8) for _, b, _ in abc])
+    scales = torch.stack([sfb[:, :, 0].view(torch.uint8) for _, sfb in sfs]).to(weight.device)
+    return {"weight": weight.view(torch.int32), "weight_scale": scales.view(torch.float8_e4m3fn),
+            "weight_scale_2": torch.ones(len(abc), dtype=torch.float32, device=weight.device)}
+
+
+def worst_ratio(outputs, expected, rtol: float, atol: float) -> float:
+    """Largest |out - ref| / (atol + rtol |ref|) over every element (inf where out is NaN)."""
+    worst = 0.0
+    for out, ref in zip(outputs, expected):
+        if out.numel():
+            ratio = (out.float() - ref.float()).abs() / (atol + rtol * ref.float().abs())
+            worst = max(worst, ratio.nan_to_num(nan=math.inf).max().item())
+    return worst
+
+
+def _humming_kernel(n: int, k: int, ms: list):
+    """humming's layer config for fp16 A x NVFP4 B in len(ms) groups, the tile its own heuristic picks for
+    sum(ms) rows, and that grouped kernel, compiled (or taken from humming's disk cache)."""
+    from humming import dtypes
+    from humming.kernel.humming import HummingKernel
+    from humming.schema import HummingWeightSchema
+    from humming.transform import prepare_layer_config
+    from humming.tune import get_heuristics_config
+
+    device = torch.cuda.current_device()
+    schema = HummingWeightSchema(b_dtype=dtypes.float4e2m1, bs_dtype=dtypes.float8e4m3, weight_scale_group_size=16,
+                                 weight_scale_type="group", weight_scale_2_type="tensor")
+    layer = prepare_layer_config(shape_n=n, shape_k=k, weight_schema=schema, num_experts=len(ms),
+                                 torch_dtype=torch.float16, device=device)
+    tuning = dict(get_heuristics_config(layer, shape_m=sum(ms), gemm_type="grouped_contiguous", device=device))
+    return layer, tuning, HummingKernel.prepare_kernels(layer.to_str(), HUMMING_GROUPED, json.dumps(tuning),
+                                                        device=device)
+
+
+def _humming_weight_of(layer, data) -> dict:
+    """B of `data` through humming's own transform (repacked for its kernel): weight preparation, not timed."""
+    from humming.transform import transform_humming_tensors
+
+    return transform_humming_tensors(layer, humming_weight(data))
+
+
+def _with_compiler_fallback(build):
+    """build() with humming's default compiler (NVRTC where cuda-bindings has it), then once with nvcc, which
+    stays chosen for later cases if it worked; HUMMING_COMPILER set by the user is left alone."""
+    if os.environ.get("HUMMING_COMPILER"):
+        return build()
+    try:
+        return build()
+    except Exception as first:
+        os.environ["HUMMING_COMPILER"] = "nvcc"
+        try:
+            return build()
+        except Exception as second:
+            del os.environ["HUMMING_COMPILER"]
+            raise RuntimeError(f"default compiler: {_one_line(first, 200)}; nvcc: {_one_line(second, 200)}") from second
+
+
+def _a_to_fp16(item) -> None:
+    """A of all groups, packed fp4 -> [sum m, k] fp16 in item["a16"] (timed as the A→fp16 column)."""
+    packed = torch.cat(item["a"])
+    rows, k = item["a16"].shape
+    _nvfp4_to_fp16[(triton.cdiv(rows, 32), triton.cdiv(k, 256))](packed, item["sfa"], item["a16"], rows, K=k,
+                                                                  BLOCK_R=32, BLOCK_K=256)
+
+
+def humming_case(case, inputs, repeats: int, times: dict) -> str:
+    """Times humming (into times["humming"]) and A's dequantization for it (times["A→fp16"]) on the inputs of
+    one case; returns the note on its check, or on why it could not run."""
+    label = ev._short(case)
+    ms, ns, ks = (list(case.args[key]) for key in ("m", "n", "k"))
+    if len(set(ns)) > 1 or len(set(ks)) > 1:
+        return f"humming {label}: not run (one grouped call needs the same n and k in every group)"
+    try:
+        from humming import ops
+        from humming.jit.runtime import KernelRuntime
+
+        def build():
+            layer, tuning, kernel = _humming_kernel(ns[0], ks[0], ms)
+            return layer, tuning, kernel, _humming_weight_of(layer, inputs[0])  # the transform compiles too
+
+        layer, tuning, kernel, first = _with_compiler_fallback(build)
+        compiler = KernelRuntime._get_compiler().__name__.replace("Compiler", "")
+        device = first["weight"].device
+        layout = torch.tensor(humming_expert_layout(ms), dtype=torch.int32, device=device)
+        locks = torch.zeros(1 << 16, dtype=torch.int32, device=device)  # stream-K counters, if its tile uses any
+        sets = []
+        for i, data in enumerate(inputs):  # weight preparation and operand buffers, none of it timed
+            abc, sfs, _, _ = data
+            sets.append(dict(
+                w=first if i == 0 else _humming_weight_of(layer, data),
+                a=[a[:, :, 0].view(torch.uint8) for a, _, _ in abc],
+                sfa=torch.cat([sfa[:, :, 0].view(torch.uint8) for sfa, _ in sfs]).to(device),
+                a16=torch.empty((sum(ms), ks[0]), dtype=torch.float16, device=device),
+                c=torch.empty((sum(ms), ns[0]), dtype=torch.float16, device=device)))
+
+        def gemm(item):
+            w = item["w"]
+            ops.launch_kernel(configs=kernel, inputs=item["a16"], weight=w["weight"], weight_scale=w["weight_scale"],
+                              weight_scale_2=w["weight_scale_2"], outputs=item["c"], expert_layout=layout,
+                              locks=locks)
+
+        for item, data in zip(sets, inputs):
+            _a_to_fp16(item)
+            exact = torch.cat([reference.dequantize(a[:, :, 0], sfa[:, :, 0]) for (a, _, _), (sfa, _) in
+                               zip(data[0], data[1])])
+            if not torch.equal(item["a16"].float(), exact):
+                raise RuntimeError("the Triton A→fp16 kernel differs from reference.dequantize")
+        times["A→fp16"] = _time_per_call(_a_to_fp16, sets, repeats)
+        worst, passed = 0.0, True
+        for item, data in zip(sets, inputs):
+            item["c"].fill_(math.nan)
+            gemm(item)
+            expected = [c[:, :, 0] for c in reference.ref_kernel(ev._clone_data(data))]
+            outputs = list(item["c"].split(ms))
+            worst = max(worst, worst_ratio(outputs, expected, **HUMMING_TOL))
+            passed &= not any(verbose_allclose(o, e, **HUMMING_TOL) for o, e in zip(outputs, expected))
+        times["humming"] = _time_per_call(gemm, sets, repeats)
+    except Exception as err:  # a peer that fails costs its column on this case, not the run
+        times.pop("A→fp16", None)
+        return f"humming {label}: failed, {_one_line(err)}"
+    verdict = "passes" if passed else "FAILS"
+    return (f"humming {label}: {verdict} rtol = atol = 1e-3 on all {len(inputs)} inputs, worst |err|/tol "
+            f"{worst:.3f} (tile {tuning.get('block_shape')}, compiled with {compiler})")
 
 
 def host_us_per_call(custom_kernel, inputs, calls: int = 300) -> float:
@@ -169,11 +411,13 @@ def main(argv=None) -> int:
     parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"),
                         help="task.yml (its benchmarks; the default) or a runner text file")
     parser.add_argument("--repeats", type=_positive_int, default=10)
-    parser.add_argument("--plot", metavar="PNG", help="write a roofline plot of the four methods (needs matplotlib)")
+    parser.add_argument("--plot", metavar="PNG", help="write a roofline plot of the methods (needs matplotlib)")
     parser.add_argument("--skip-slow", action="store_true", help="leave out dequant+mm (slowest baseline)")
     parser.add_argument("--launch-paths", metavar="P,Q", help="also time these launch paths (submission.LAUNCH_PATHS)")
     parser.add_argument("--pdl-ab", metavar="ROUNDS", type=_positive_int,
                         help="only time the kernel with and without programmatic dependent launch, alternating")
+    parser.add_argument("--no-humming", action="store_true",
+                        help="leave out the humming-kernels column (its first run per shape compiles for minutes)")
     args = parser.parse_args(argv)
     # Every mistake is reported before the GPU check and before any timing.
     problem = plot_problem(args.plot) if args.plot else None
@@ -208,6 +452,11 @@ def main(argv=None) -> int:
 
     if args.pdl_ab:
         return pdl_ab(submission, cases, args.pdl_ab, args.repeats)
+    note = humming_note(args.no_humming)
+    notes = [note] if note else [
+        f"humming = humming-kernels {sys.modules['humming'].__version__}, grouped W4A16: A given in fp16 (A→fp16 is "
+        "that exact dequantization, timed alone: humming + A→fp16 is its cost from fp4 A) x NVFP4 B transformed "
+        "by humming beforehand (not timed)"]
     rows = []
     for idx, case in enumerate(cases):
         print(f"[{idx + 1}/{len(cases)}] {ev._short(case)}", file=sys.stderr, flush=True)
@@ -233,6 +482,10 @@ def main(argv=None) -> int:
         if not args.skip_slow:
             times["dequant+mm"] = _time_per_call(reference.ref_kernel, inputs, max(3, args.repeats // 3))
         del pre, loop_in
+        if note is None:
+            print(f"[{idx + 1}/{len(cases)}] humming (compiles its kernels on a first run: minutes)", file=sys.stderr,
+                  flush=True)
+            notes.append(humming_case(case, inputs, args.repeats, times))
         flops, bytes_ = ev.case_work(case.args)
         fp4_bytes = sum((m + n) * k / 2 for m, n, k in zip(case.args["m"], case.args["n"], case.args["k"]))
         floors = {"bf16 floor": flops / H200_BF16_FLOPS * 1e6, "fp4-bytes floor": fp4_bytes / H200_BYTES_PER_S * 1e6}
@@ -251,26 +504,8 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name()
     print(f"\n{gpu}, timing: L2 flushed, events around {NUM_INPUTS} calls on {NUM_INPUTS} inputs, "
           f"mean of {args.repeats} repeats; × = baseline time / kernel time")
-    names = ["kernel", "grouped_mm", "cuBLAS loop", "dequant+mm"]
-    head = f"{'case':<52}" + "".join(f"{n + ' µs':>16}" for n in names) + f"{'bf16 floor':>12}{'fp4 floor':>11}{'host µs':>9}"
-    print(head)
-    geo = {n: [] for n in names}
-    for case, times, floors, host, _, _ in rows:
-        cells = []
-        for n in names:
-            if n not in times:
-                cells.append(f"{'-':>16}")
-                continue
-            geo[n].append(times[n])
-            ratio = "" if n == "kernel" else f" ({times[n] / times['kernel']:.1f}×)"
-            cells.append(f"{times[n]:>{16 - len(ratio)}.1f}{ratio}")
-        print(f"{ev.fit_label(ev._short(case), 52):<52}" + "".join(cells)
-              + f"{floors['bf16 floor']:>12.1f}{floors['fp4-bytes floor']:>11.1f}{host:>9.1f}")
-    geo_line = f"{'geometric mean':<52}"
-    for n in names:
-        vals = geo[n]
-        geo_line += f"{ev.geomean(vals):>16.1f}" if len(vals) == len(rows) else f"{'-':>16}"
-    print(geo_line)
+    names = ["kernel", "grouped_mm", "cuBLAS loop", "dequant+mm"] + (["humming", "A→fp16"] if note is None else [])
+    print("\n".join(table_lines(rows, names) + notes))
     if paths:
         print(f"\nlaunch paths (default here: {default_path}); kernel µs per call / host µs per call; one small torch "
               f"kernel launch costs {torch_launch_us():.1f} µs of host time")
@@ -283,6 +518,28 @@ def main(argv=None) -> int:
     return 0
 
 
+def table_lines(rows, names) -> list:
+    """The table: µs per call of each method in `names` per case ('-' where it did not run), × = its time /
+    the kernel's (not for A→fp16, which is no GEMM), the floors and host time, then the geometric means."""
+    lines = [f"{'case':<52}" + "".join(f"{n + ' µs':>16}" for n in names)
+             + f"{'bf16 floor':>12}{'fp4 floor':>11}{'host µs':>9}"]
+    geo = {n: [] for n in names}
+    for case, times, floors, host, _, _ in rows:
+        cells = []
+        for n in names:
+            if n not in times:
+                cells.append(f"{'-':>16}")
+                continue
+            geo[n].append(times[n])
+            ratio = "" if n in ("kernel", "A→fp16") else f" ({times[n] / times['kernel']:.1f}×)"
+            cells.append(f"{times[n]:>{16 - len(ratio)}.1f}{ratio}")
+        lines.append(f"{ev.fit_label(ev._short(case), 52):<52}" + "".join(cells)
+                     + f"{floors['bf16 floor']:>12.1f}{floors['fp4-bytes floor']:>11.1f}{host:>9.1f}")
+    lines.append(f"{'geometric mean':<52}" + "".join(
+        f"{ev.geomean(geo[n]):>16.1f}" if len(geo[n]) == len(rows) else f"{'-':>16}" for n in names))
+    return lines
+
+
 def _plot(rows, path: str, gpu: str) -> None:
     import matplotlib
 
@@ -293,9 +550,11 @@ def _plot(rows, path: str, gpu: str) -> None:
     xs = [10 ** (i / 20) for i in range(0, 81)]
     ax.plot(xs, [min(H200_BF16_FLOPS, x * H200_BYTES_PER_S) / 1e12 for x in xs], "k-", lw=1, label="H200 bf16 roof")
     style = {"kernel": ("o", "tab:green"), "grouped_mm": ("s", "tab:purple"), "cuBLAS loop": ("^", "tab:red"),
-             "dequant+mm": ("x", "tab:brown")}
+             "dequant+mm": ("x", "tab:brown"), "humming": ("D", "tab:orange")}  # A→fp16 is no GEMM: not plotted
     for case, times, _, _, flops, bytes_ in rows:
         for n, t in times.items():
+            if n not in style:
+                continue
             marker, color = style[n]
             ax.scatter(flops / bytes_, flops / t / 1e6, marker=marker, color=color, label=n)
     handles, labels = ax.get_legend_handles_labels()
