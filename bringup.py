@@ -70,14 +70,6 @@ def first_line(text) -> str:
     return str(text).strip()[:300]
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a usage mistake as one line on stderr (exit status 2)."""
-
-    def error(self, message):
-        print(f"{self.prog}: {message} (--help for usage)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def _parse(parser: argparse.ArgumentParser, argv: list):
     """(args, None), or (None, exit status) after a usage mistake or --help."""
     try:
@@ -194,7 +186,7 @@ def export_text(text: str, variant: str, b200_variants, sm90_variants) -> str:
 
 
 def export_main(argv: list) -> int:
-    parser = _OneLineParser(prog="eval.py export",
+    parser = ev.OneLineArgumentParser(prog="eval.py export",
                             description="Write a copy of submission.py whose default kernel variant is NAME.")
     parser.add_argument("--variant", required=True, metavar="NAME",
                         help="a B200 variant (submission.KERNEL_VARIANTS) or a Hopper one (SM90_VARIANTS)")
@@ -850,7 +842,7 @@ def _finite(value):
 
 
 def bringup_main(argv: list) -> int:
-    parser = _OneLineParser(prog="eval.py bringup",
+    parser = ev.OneLineArgumentParser(prog="eval.py bringup",
                             description="First run on a B200 (or a Hopper GPU): every variant checked and timed.")
     parser.add_argument("--quick", action="store_true",
                         help=f"at most {QUICK_MAX_REPEATS} timing repeats per benchmark and shorter timeouts")
