@@ -79,6 +79,7 @@ import ctypes
 import dataclasses
 import enum
 import functools
+import heapq
 import importlib.metadata
 import os
 import warnings
@@ -392,6 +393,17 @@ def set_variant(name: str) -> None:
     KERNEL_VARIANT = name
 
 
+# M-exact Hopper tiles (Sm90GemmConfig.m_exact): the widths a tile's A rows (the wgmma N) can take. Each
+# width is its own compiled mainloop, chosen per tile at run time; 192 is the widest whose three fp16 A
+# buffers (48 KB each) fit in shared memory beside the B stages and the epilogue slabs.
+SM90_WIDTHS = (32, 64, 96, 128, 160, 192)
+# Cost of one 128-k chunk of an M-exact tile, in rows of MMA: its W rows plus the B conversion and
+# pipeline work that does not shrink with W (H200: a 128-row a16 chunk took 0.86 us, 0.67 us of it MMA).
+SM90_CHUNK_OVERHEAD_ROWS = 36
+# Cost of starting and finishing a tile (first loads, epilogue), in the same unit (about 1.5 us).
+SM90_TILE_OVERHEAD = 300
+
+
 @dataclasses.dataclass(frozen=True)
 class Sm90GemmConfig:
     """Compile-time configuration of `Sm90BlockScaledGroupedGemmKernel` (everything baked in but G).
@@ -403,20 +415,28 @@ class Sm90GemmConfig:
     a16_prepass: A (the small operand) is converted to fp16 once per call by `Sm90AConvertKernel` into the
       launch's workspace, and the GEMM TMA-loads it (no transform warpgroup work); False: the transform
       warpgroup converts A in every CTA that needs it (once per N tile).
+    m_exact: M-exact tiles (with a16_prepass, bpw 1): a tile covers one M split of a group, as wide as the
+      split rounded up to one of SM90_WIDTHS (the wgmma N), so a group of M <= 192 is one tile row and B is
+      converted once per split instead of once per 128 rows; the host plans the splits and a cost-balanced
+      work list per CTA (`plan_sm90_work`) instead of the round-robin `GroupTileScheduler`.
     """
 
     blocks_per_wg: int = 1
     num_stages: int = 0
     use_pdl: bool = USE_PDL  # programmatic dependent launch
     a16_prepass: bool = False
+    m_exact: bool = False
 
     def __post_init__(self):
         if self.blocks_per_wg not in (1, 2):
             raise ValueError(f"Sm90GemmConfig.blocks_per_wg={self.blocks_per_wg}: only 1 or 2 is supported")
+        if self.m_exact and not (self.a16_prepass and self.blocks_per_wg == 1):
+            raise ValueError("Sm90GemmConfig.m_exact needs a16_prepass=True and blocks_per_wg=1")
 
     @property
     def tile_mn(self) -> tuple:
-        return (128, 128 * self.blocks_per_wg)
+        """(rows of A, rows of B) of a tile; m_exact: the widest of its per-group widths."""
+        return (SM90_WIDTHS[-1] if self.m_exact else 128, 128 * self.blocks_per_wg)
 
 
 # Hopper's kernels by name. custom_kernel picks one per problem (choose_sm90_config); compile_for and the
@@ -426,6 +446,7 @@ SM90_VARIANT_CONFIGS = {
     "sm90_tile256": Sm90GemmConfig(blocks_per_wg=2),
     "sm90_a16_tile128": Sm90GemmConfig(blocks_per_wg=1, a16_prepass=True),
     "sm90_a16_tile256": Sm90GemmConfig(blocks_per_wg=2, a16_prepass=True),
+    "sm90_a16_mexact": Sm90GemmConfig(a16_prepass=True, m_exact=True),
 }
 # Measured time of one 128 x 256 Hopper tile over one 128 x 128 tile (H200, docs/HOPPER_NOTES.md, v3).
 SM90_TILE256_COST = 1.47
@@ -439,6 +460,104 @@ def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
     rounds_small = ceil_div(num_output_tiles(problem_sizes, small.tile_mn), num_sms)
     rounds_large = ceil_div(num_output_tiles(problem_sizes, large.tile_mn), num_sms)
     return large if rounds_large * SM90_TILE256_COST < rounds_small else small
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90WorkPlan:
+    """The M-exact kernel's schedule for one problem: how each group's M is split, and which tiles each
+    CTA runs (`plan_sm90_work`). `words()` is its device form, what the kernel reads."""
+
+    splits: tuple  # per group: (number of M splits, width of each: one of SM90_WIDTHS)
+    cta_tiles: tuple  # per CTA: its tiles in order, each (group, first row, width index, N tile)
+    makespan: float  # the busiest CTA's cost (SM90 cost units)
+
+    @property
+    def num_tiles(self) -> int:
+        return sum(len(tiles) for tiles in self.cta_tiles)
+
+    def words(self) -> list:
+        """int32 words: the CTAs' first-tile offsets (grid + 1 of them, padded to a multiple of 4), then four
+        words per tile (group, first row, width index, N tile), each CTA's tiles contiguous."""
+        offsets, total = [], 0
+        for tiles in self.cta_tiles:
+            offsets.append(total)
+            total += len(tiles)
+        offsets.append(total)
+        header = offsets + [0] * (-len(offsets) % 4)
+        return header + [word for tiles in self.cta_tiles for tile in tiles for word in tile]
+
+
+def sm90_tile_cost(width: int, k: int) -> float:
+    return (k // 128) * (width + SM90_CHUNK_OVERHEAD_ROWS) + SM90_TILE_OVERHEAD
+
+
+def _sm90_split_width(m: int, splits: int) -> int:
+    return next(w for w in SM90_WIDTHS if w * splits >= m)
+
+
+def _sm90_assign(problem_sizes, splits: list, num_sms: int) -> tuple:
+    """Longest-processing-time assignment of every tile to the least loaded CTA: (makespan, per-CTA tiles)."""
+    tiles = []
+    for g, ((m, n, k, _), s) in enumerate(zip(problem_sizes, splits)):
+        width = _sm90_split_width(m, s)
+        cost = sm90_tile_cost(width, k)
+        tiles += [(cost, g, i * width, SM90_WIDTHS.index(width), nt) for i in range(s) for nt in range(n // 128)]
+    tiles.sort(key=lambda t: -t[0])  # stable: equal costs keep group, split, N order
+    grid = min(num_sms, len(tiles))
+    heap = [(0.0, cta) for cta in range(grid)]
+    per_cta = [[] for _ in range(grid)]
+    for cost, *tile in tiles:
+        load, cta = heapq.heappop(heap)
+        per_cta[cta].append(tuple(tile))
+        heapq.heappush(heap, (load + cost, cta))
+    return max(load for load, _ in heap), per_cta
+
+
+@functools.lru_cache(maxsize=256)
+def plan_sm90_work(problem_sizes: tuple, num_sms: int) -> Sm90WorkPlan:
+    """M splits and a balanced work list for the M-exact Hopper kernel (host side, once per problem shape).
+
+    Start: the best of "every group split into the fewest tiles of at most `cap` rows" over each cap in
+    SM90_WIDTHS; then, greedily, the group whose extra split lowers the predicted makespan most gets one,
+    while that gains more than 1 %. More splits fill more SMs but convert B once more per split and pad
+    more rows. Tiles go to CTAs longest first, each to the least loaded (`_sm90_assign`), so uneven widths
+    still balance.
+    """
+    starts = []
+    for cap in SM90_WIDTHS:
+        splits = [ceil_div(m, cap) for m, _, _, _ in problem_sizes]
+        starts.append((_sm90_assign(problem_sizes, splits, num_sms), splits))
+    (best, per_cta), splits = min(starts, key=lambda t: t[0][0])
+    while True:
+        trials = []
+        for g, (m, _, _, _) in enumerate(problem_sizes):
+            s = splits[g] + 1
+            if _sm90_split_width(m, s) < _sm90_split_width(m, splits[g]):
+                trial = splits[:g] + [s] + splits[g + 1:]
+                trials.append((_sm90_assign(problem_sizes, trial, num_sms), trial))
+        if not trials:
+            break
+        (makespan, trial_cta), trial = min(trials, key=lambda t: t[0][0])
+        if makespan > 0.99 * best:
+            break
+        best, per_cta, splits = makespan, trial_cta, trial
+    widths = tuple((s, _sm90_split_width(m, s)) for (m, _, _, _), s in zip(problem_sizes, splits))
+    return Sm90WorkPlan(widths, tuple(tuple(tiles) for tiles in per_cta), best)
+
+
+_sm90_work_lists: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+
+
+def sm90_work_list(plan: Sm90WorkPlan, device: torch.device) -> torch.Tensor:
+    """The plan's words as a device int32 tensor, made once per plan and device (an ordinary copy, which
+    waits for the device: only the first call of a new problem shape pays it) and kept (at most 64)."""
+    key = (plan, device)
+    words = _sm90_work_lists.get(key)
+    if words is None:
+        words = _sm90_work_lists[key] = torch.tensor(plan.words(), dtype=torch.int32, device=device)
+        if len(_sm90_work_lists) > 64:
+            _sm90_work_lists.popitem(last=False)
+    return words
 
 
 # How custom_kernel picks its Hopper tile: "sm90_auto" per problem (choose_sm90_config), or one entry of
@@ -795,6 +914,7 @@ class LaunchMetadata:
     launch_args: tuple  # plain ints the GEMM is launched with: the three table addresses, then its counts
     table_args: tuple  # the three table addresses: what a descriptor preparation kernel is launched with
     prepass_args: tuple = ()  # Hopper a16_prepass: `Sm90AConvertKernel`'s table addresses and grid x
+    work_list: Optional[torch.Tensor] = None  # Hopper m_exact: the plan's words on the device (sm90_work_list)
 
 
 # Bounded: the benchmark cycles through 15 input sets per shape; 64 covers that with room, and entries
@@ -2449,7 +2569,6 @@ class Sm90BlockScaledGroupedGemmKernel:
 
     A_BYTES = 128 * 64  # A fp4 rows of one stage: 128 x 64 B (128 k)
     SF_BYTES = 1024  # one 128-row scale slice for 128 k
-    A16_BYTES = 128 * 128 * 2  # one fp16 A buffer: 128 rows x 128 k
     C_BYTES = 128 * 64 * 2  # one epilogue slab per consumer warpgroup: 128 m x 64 n fp16
     NUM_A16 = 3
     descriptor_slots = tuple(Sm90TensorMapSlot)
@@ -2460,10 +2579,16 @@ class Sm90BlockScaledGroupedGemmKernel:
         self.num_groups = num_groups
         self.bpw = blocks_per_wg
         self.num_stages = num_stages or (4 if blocks_per_wg == 1 else 3)
-        self.tile_m = 128  # rows of A per tile (wgmma N)
+        self.m_exact = config.m_exact
+        # rows of A per tile (wgmma N): one width, or (m_exact) one of SM90_WIDTHS per tile, chosen at run time
+        self.widths = SM90_WIDTHS if self.m_exact else (128,)
+        self.tile_m = self.widths[-1]
         self.tile_n = 128 * blocks_per_wg  # rows of B per tile (2 consumer warpgroups x bpw x wgmma M 64)
         self.k_chunk = 128  # k elements per stage
         self.prepass = config.a16_prepass
+        self.a16_bytes = self.tile_m * self.k_chunk * 2  # one fp16 A buffer: tile_m rows x 128 k
+        # TMA boxes of the fp16 A loads and of the C^T stores, in rows of A: a width is a whole number of them
+        self.box_rows = 32 if self.m_exact else 128
         self.b_bytes = self.tile_n * 64
         # Stage: [A fp4 | B fp4 | SFA | SFB x bpw]; with the prepass A and SFA are not loaded.
         self.a_stage_bytes = 0 if self.prepass else self.A_BYTES
@@ -2501,24 +2626,25 @@ class Sm90BlockScaledGroupedGemmKernel:
         null_u8 = cute.make_ptr(cutlass.Uint8, 0, cute.AddressSpace.gmem, assumed_align=16)
         template_ab = cute.make_tensor(null_u8, cute.make_layout((512, 128), stride=(128, 1)))
         if cutlass.const_expr(self.prepass):
-            # fp16 A, one box = 128 rows x 64 k (128 B, the SW128 row): half of an fp16 A buffer.
+            # fp16 A, one box = box_rows rows x 64 k (128 B, the SW128 row).
             null_a16 = cute.make_ptr(cutlass.Float16, 0, cute.AddressSpace.gmem, assumed_align=16)
             template_a16 = cute.make_tensor(null_a16, cute.make_layout((512, 256), stride=(256, 1)))
             a16_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float16)
-            tma_a, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), template_a16,
-                                                   cute.tile_to_shape(a16_atom, (128, 64), order=(0, 1)), (128, 64))
+            tma_a, _ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), template_a16,
+                cute.tile_to_shape(a16_atom, (self.box_rows, 64), order=(0, 1)), (self.box_rows, 64))
         else:
             tma_a, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), template_ab,
                                                    cute.tile_to_shape(fp4_atom, (128, 64), order=(0, 1)), (128, 64))
         tma_b, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), template_ab,
                                                cute.tile_to_shape(fp4_atom, (self.tile_n, 64), order=(0, 1)),
                                                (self.tile_n, 64))
-        # C^T view: (N, M) with n contiguous; one box = 64 n x 128 m.
-        c_smem_layout = cute.make_layout((64, self.tile_m), stride=(1, 64))
+        # C^T view: (N, M) with n contiguous; one box = 64 n x box_rows m.
+        c_smem_layout = cute.make_layout((64, self.box_rows), stride=(1, 64))
         null_f16 = cute.make_ptr(cutlass.Float16, 0, cute.AddressSpace.gmem, assumed_align=16)
         template_c = cute.make_tensor(null_f16, cute.make_layout((256, 256), stride=(1, 256)))
         tma_c, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), template_c,
-                                               c_smem_layout, (64, self.tile_m))
+                                               c_smem_layout, (64, self.box_rows))
         return tma_a, tma_b, tma_c
 
     def group_descriptor_tensors(self, ptrs: cute.Tensor, sizes: cute.Tensor, group,
@@ -2545,20 +2671,20 @@ class Sm90BlockScaledGroupedGemmKernel:
             cute.make_layout((n_size, m_size), stride=(1, n_size)))
         return a_tensor, b_tensor, c_tensor
 
+    def a16_outer(self, width: int, num_buffers: int):
+        """The fp16 A buffers seen by a tile of `width` rows (the wgmma B operand, K-major, 128-byte swizzle
+        applied on top): rows 0..width-1 of every 64-k half of every buffer. A buffer holds tile_m rows per
+        half whatever the width, so that buffers stay put when consecutive tiles have different widths."""
+        return cute.make_layout(((8, width // 8), (64, 2), num_buffers),
+                                stride=((64, 512), (1, self.tile_m * 64), self.tile_m * self.k_chunk))
+
     @cute.jit
     def __call__(self, ptrs_ptr: cute.Pointer, sizes_ptr: cute.Pointer, workspace_ptr: cute.Pointer,
-                 total_tiles: cutlass.Int32, grid_x: cutlass.Int32):
+                 work_ptr: cute.Pointer, total_tiles: cutlass.Int32, grid_x: cutlass.Int32):
         G = self.num_groups
         ptrs, sizes = group_tables(ptrs_ptr, sizes_ptr, G)
         tensormaps = descriptor_table(workspace_ptr, G, len(self.descriptor_slots))
-        tma_a, tma_b, tma_c = self.descriptor_atoms()
-
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            cutlass.Float16, cutlass.Float16, _OperandMajorMode.K, _OperandMajorMode.K, cutlass.Float32,
-            (1, 1, 1), (64, self.tile_m), warpgroup.OperandSource.RMEM)
-        a16_layout = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float16),
-            (self.tile_m, self.k_chunk, self.NUM_A16), order=(0, 1, 2))
+        work = cute.make_tensor(work_ptr, cute.make_layout((1,)))  # m_exact: the plan's words (address only)
 
         @cute.struct
         class SharedStorage:
@@ -2567,17 +2693,17 @@ class Sm90BlockScaledGroupedGemmKernel:
             a16_full_bar: cute.struct.MemRange[cutlass.Int64, self.NUM_A16]
             a16_empty_bar: cute.struct.MemRange[cutlass.Int64, self.NUM_A16]
             stages: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.num_stages * self.stage_bytes], 1024]
-            a16: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, cute.cosize(a16_layout)], 1024]
+            a16: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.NUM_A16 * self.a16_bytes // 2], 1024]
             c_stage: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * self.C_BYTES], 1024]
 
         self.shared_storage = SharedStorage
 
-        self.kernel(tiled_mma, a16_layout, ptrs, sizes, tensormaps, total_tiles).launch(
+        self.kernel(ptrs, sizes, tensormaps, work, total_tiles).launch(
             grid=(grid_x, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, use_pdl=self.config.use_pdl)
 
     @cute.kernel
-    def kernel(self, tiled_mma: cute.TiledMma, a16_layout: cute.ComposedLayout, ptrs: cute.Tensor,
-               sizes: cute.Tensor, tensormaps: cute.Tensor, total_tiles: cutlass.Int32):
+    def kernel(self, ptrs: cute.Tensor, sizes: cute.Tensor, tensormaps: cute.Tensor, work: cute.Tensor,
+               total_tiles: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -2595,7 +2721,9 @@ class Sm90BlockScaledGroupedGemmKernel:
         stages = storage.stages.data_ptr().toint()
         a16_base = storage.a16.data_ptr().toint()
         c_base = storage.c_stage.data_ptr().toint()
-        sA16 = storage.a16.get_tensor(a16_layout.outer, swizzle=a16_layout.inner)
+        swizzle = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float16).inner
+        # per width: the fp16 A buffers as the wgmma B operand
+        sA16 = [storage.a16.get_tensor(self.a16_outer(w, self.NUM_A16), swizzle=swizzle) for w in self.widths]
 
         if tidx == 0:
             for s in cutlass.range_constexpr(self.num_stages):
@@ -2616,24 +2744,57 @@ class Sm90BlockScaledGroupedGemmKernel:
         if warp < 4:
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
             if warp == 0:
-                self.producer(ptrs, sizes, descriptors, total_tiles, bid, grid, full_bar, empty_bar, stages,
+                self.producer(ptrs, sizes, work, descriptors, total_tiles, bid, grid, full_bar, empty_bar, stages,
                               a16_base, a16_full, a16_empty)
         elif warp < 8:
             cute.arch.warpgroup_reg_dealloc(self.transform_regs)
             if cutlass.const_expr(not self.prepass):
-                self.transform(sizes, total_tiles, bid, grid, tidx, full_bar, empty_bar, stages, a16_base,
+                self.transform(sizes, work, total_tiles, bid, grid, tidx, full_bar, empty_bar, stages, a16_base,
                                a16_full, a16_empty)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
-            self.consumer(tiled_mma, sA16, ptrs, sizes, descriptors, total_tiles, bid, grid, tidx, warp,
+            self.consumer(sA16, ptrs, sizes, work, descriptors, total_tiles, bid, grid, tidx, warp,
                           full_bar, empty_bar, stages, a16_full, a16_empty, c_base)
+
+    # -----------------------------------------------------------------------------------------------
+    # Tile sequence of a CTA (every role walks it on its own)
+    # -----------------------------------------------------------------------------------------------
+    @cute.jit
+    def tile_range(self, work: cute.Tensor, total_tiles, bid, grid):
+        """[begin, end) of this CTA's tile positions: its slice of the work list (m_exact), else the count
+        of tiles bid, bid + grid, ... below total_tiles."""
+        begin, end = cutlass.Int32(0), (total_tiles - bid + grid - 1) // grid
+        if cutlass.const_expr(self.m_exact):
+            base = work.iterator.toint()
+            begin = cutlass.Int32(ld_global_u32(base + 4 * bid))
+            end = cutlass.Int32(ld_global_u32(base + 4 * (bid + 1)))
+        return begin, end
+
+    @cute.jit
+    def tile_at(self, i, work: cute.Tensor, scheduler, walk, bid, grid):
+        """(group, first row, width index, N tile) of this CTA's tile position i, and the scheduler's walk
+        state (group, first tile of the group, tiles in the group; unchanged with a work list)."""
+        group, group_first, group_tiles = walk
+        if cutlass.const_expr(self.m_exact):
+            # header: grid + 1 offsets padded to a multiple of 4 words; then 4 words per tile
+            entry = work.iterator.toint() + 16 * ((grid + 4) // 4) + 16 * cutlass.Int64(i)
+            g = cutlass.Int32(ld_global_u32(entry))
+            m0 = cutlass.Int32(ld_global_u32(entry + 4))
+            width_idx = cutlass.Int32(ld_global_u32(entry + 8))
+            n_tile = cutlass.Int32(ld_global_u32(entry + 12))
+        else:
+            tile = bid + i * grid
+            group, group_first, group_tiles = scheduler.find_group(tile, group, group_first, group_tiles)
+            m_tile, n_tile = scheduler.tile_coord(tile, group_first, scheduler.size_table[group, int(SizeColumn.M)])
+            g, m0, width_idx = group, m_tile * self.tile_m, cutlass.Int32(0)
+        return g, m0, width_idx, n_tile, (group, group_first, group_tiles)
 
     # -----------------------------------------------------------------------------------------------
     # Producer warp
     # -----------------------------------------------------------------------------------------------
     @cute.jit
-    def producer(self, ptrs, sizes, descriptors, total_tiles, bid, grid, full_bar, empty_bar, stages, a16_base,
-                 a16_full, a16_empty):
+    def producer(self, ptrs, sizes, work, descriptors, total_tiles, bid, grid, full_bar, empty_bar, stages,
+                 a16_base, a16_full, a16_empty):
         lane = cute.arch.lane_idx()
         leader = cutlass.Int32(0)
         if lane == 0:
@@ -2641,12 +2802,11 @@ class Sm90BlockScaledGroupedGemmKernel:
         chunk = cutlass.Int32(0)
         last_g = cutlass.Int32(-1)
         scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
-        group, group_first, group_tiles = scheduler.first_state()
-        tile = cutlass.Int32(bid)
-        while tile < total_tiles:
-            group, group_first, group_tiles = scheduler.find_group(tile, group, group_first, group_tiles)
-            g, m_size, n_size, k_size = self.group_sizes(sizes, group)
-            m_tile, n_tile = scheduler.tile_coord(tile, group_first, m_size)
+        walk = scheduler.first_state()
+        begin, end = self.tile_range(work, total_tiles, bid, grid)
+        for i in range(begin, end):
+            g, m0, width_idx, n_tile, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
+            _, _, _, k_size = self.group_sizes(sizes, g)
             # Warp-uniform group: the descriptor addresses stay in uniform registers for the TMA issue.
             g = cute.arch.make_warp_uniform(g)
             if g != last_g:
@@ -2654,47 +2814,57 @@ class Sm90BlockScaledGroupedGemmKernel:
                 # flight on the previous group's row need no drain.
                 descriptors.acquire(g, (Sm90TensorMapSlot.A, Sm90TensorMapSlot.B))
                 last_g = g
-            desc_a = descriptors.address(g, Sm90TensorMapSlot.A)
-            desc_b = descriptors.address(g, Sm90TensorMapSlot.B)
-            sfa = ptrs[g, int(PtrColumn.SFA)]
-            sfb = ptrs[g, int(PtrColumn.SFB)]
-            rest_k = k_size // 64
-            sfa_row = cutlass.Int64(m_tile * rest_k) * 512
-            for c in range(k_size // self.k_chunk):
-                s = chunk % self.num_stages
-                phase = (chunk // self.num_stages) % 2
-                mbar_wait(empty_bar + 8 * s, phase ^ 1)
-                full = full_bar + 8 * s
-                stage = stages + s * self.stage_bytes
-                mbar_arrive_expect_tx(full, self.stage_bytes, leader)
-                if cutlass.const_expr(not self.prepass):
-                    tma_load_2d(stage, desc_a, c * 64, m_tile * self.tile_m, full, leader)
-                tma_load_2d(stage + self.b_in_stage, desc_b, c * 64, n_tile * self.tile_n, full, leader)
-                sf_off = cutlass.Int64(c) * 1024
-                if cutlass.const_expr(not self.prepass):
-                    bulk_load(stage + self.sfa_in_stage, sfa + sfa_row + sf_off, self.SF_BYTES, full, leader)
-                for nb in cutlass.range_constexpr(self.bpw):
-                    sfb_row = cutlass.Int64((n_tile * self.bpw + nb) * rest_k) * 512
-                    bulk_load(stage + self.sfb_in_stage + nb * self.SF_BYTES, sfb + sfb_row + sf_off,
-                              self.SF_BYTES, full, leader)
-                if cutlass.const_expr(self.prepass):
-                    # fp16 A of this chunk: two 64-k boxes into the two halves of fp16 A buffer `b`, once
-                    # the consumers have retired the wgmmas that read its previous contents.
-                    b = chunk % self.NUM_A16
-                    mbar_wait(a16_empty + 8 * b, ((chunk // self.NUM_A16) % 2) ^ 1)
-                    a16_bar = a16_full + 8 * b
-                    mbar_arrive_expect_tx(a16_bar, self.A16_BYTES, leader)
-                    for h in cutlass.range_constexpr(2):
-                        tma_load_2d(a16_base + b * self.A16_BYTES + h * (self.A16_BYTES // 2), desc_a,
-                                    c * self.k_chunk + h * 64, m_tile * self.tile_m, a16_bar, leader)
-                chunk = chunk + 1
-            tile = tile + grid
+            for w in cutlass.range_constexpr(len(self.widths)):
+                if width_idx == w:
+                    self.produce_tile(self.widths[w], chunk, ptrs, descriptors, g, m0, n_tile, k_size, leader,
+                                      full_bar, empty_bar, stages, a16_base, a16_full, a16_empty)
+            chunk = chunk + k_size // self.k_chunk
+
+    @cute.jit
+    def produce_tile(self, width: int, chunk, ptrs, descriptors, g, m0, n_tile, k_size, leader, full_bar,
+                     empty_bar, stages, a16_base, a16_full, a16_empty):
+        """The loads of one tile of `width` rows of A: per 128-k chunk a stage (B, its scales; A fp4 and its
+        scales without the prepass) and, with the prepass, the chunk's fp16 A into buffer chunk % NUM_A16."""
+        desc_a = descriptors.address(g, Sm90TensorMapSlot.A)
+        desc_b = descriptors.address(g, Sm90TensorMapSlot.B)
+        sfa = ptrs[g, int(PtrColumn.SFA)]
+        sfb = ptrs[g, int(PtrColumn.SFB)]
+        rest_k = k_size // 64
+        sfa_row = cutlass.Int64((m0 // 128) * rest_k) * 512
+        for c in range(k_size // self.k_chunk):
+            s = (chunk + c) % self.num_stages
+            phase = ((chunk + c) // self.num_stages) % 2
+            mbar_wait(empty_bar + 8 * s, phase ^ 1)
+            full = full_bar + 8 * s
+            stage = stages + s * self.stage_bytes
+            mbar_arrive_expect_tx(full, self.stage_bytes, leader)
+            if cutlass.const_expr(not self.prepass):
+                tma_load_2d(stage, desc_a, c * 64, m0, full, leader)
+            tma_load_2d(stage + self.b_in_stage, desc_b, c * 64, n_tile * self.tile_n, full, leader)
+            sf_off = cutlass.Int64(c) * 1024
+            if cutlass.const_expr(not self.prepass):
+                bulk_load(stage + self.sfa_in_stage, sfa + sfa_row + sf_off, self.SF_BYTES, full, leader)
+            for nb in cutlass.range_constexpr(self.bpw):
+                sfb_row = cutlass.Int64((n_tile * self.bpw + nb) * rest_k) * 512
+                bulk_load(stage + self.sfb_in_stage + nb * self.SF_BYTES, sfb + sfb_row + sf_off,
+                          self.SF_BYTES, full, leader)
+            if cutlass.const_expr(self.prepass):
+                # fp16 A of this chunk: box_rows-row boxes of each 64-k half into fp16 A buffer `b`, once the
+                # consumers have retired the wgmmas that read its previous contents.
+                b = (chunk + c) % self.NUM_A16
+                mbar_wait(a16_empty + 8 * b, (((chunk + c) // self.NUM_A16) % 2) ^ 1)
+                a16_bar = a16_full + 8 * b
+                mbar_arrive_expect_tx(a16_bar, width * self.k_chunk * 2, leader)
+                for h in cutlass.range_constexpr(2):
+                    for j in cutlass.range_constexpr(width // self.box_rows):
+                        dst = a16_base + b * self.a16_bytes + h * (self.a16_bytes // 2) + j * self.box_rows * 128
+                        tma_load_2d(dst, desc_a, c * self.k_chunk + h * 64, m0 + j * self.box_rows, a16_bar, leader)
 
     # -----------------------------------------------------------------------------------------------
     # Transform warpgroup: A fp4 (stage) -> fp16 buffer (the wgmma B operand), one row per thread
     # -----------------------------------------------------------------------------------------------
     @cute.jit
-    def transform(self, sizes, total_tiles, bid, grid, tidx, full_bar, empty_bar, stages, a16_base,
+    def transform(self, sizes, work, total_tiles, bid, grid, tidx, full_bar, empty_bar, stages, a16_base,
                   a16_full, a16_empty):
         row = tidx % 128
         a_row_off = row * 64
@@ -2705,12 +2875,11 @@ class Sm90BlockScaledGroupedGemmKernel:
         a16_swz16 = (row % 8) * 16
         chunk = cutlass.Int32(0)
         scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
-        group, group_first, group_tiles = scheduler.first_state()
-        tile = cutlass.Int32(bid)
-        while tile < total_tiles:
-            group, group_first, group_tiles = scheduler.find_group(tile, group, group_first, group_tiles)
-            g, m_size, n_size, k_size = self.group_sizes(sizes, group)
-            m_tile, n_tile = scheduler.tile_coord(tile, group_first, m_size)
+        walk = scheduler.first_state()
+        begin, end = self.tile_range(work, total_tiles, bid, grid)
+        for i in range(begin, end):
+            g, _, _, _, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
+            _, _, _, k_size = self.group_sizes(sizes, g)
             for _ in range(k_size // self.k_chunk):
                 s = chunk % self.num_stages
                 b = chunk % self.NUM_A16
@@ -2722,46 +2891,39 @@ class Sm90BlockScaledGroupedGemmKernel:
                 sf = [ld_shared_u32(sf_a + 512 * sub) for sub in range(2)]
                 mbar_arrive(empty_bar + 8 * s)
                 mbar_wait(a16_empty + 8 * b, ((chunk // self.NUM_A16) % 2) ^ 1)
-                a16 = a16_base + b * self.A16_BYTES + a16_row
+                a16 = a16_base + b * self.a16_bytes + a16_row
                 for t in cutlass.range_constexpr(4):
                     # scale block of word (q', t): 2 q' + t // 2 -> word q' // 2, byte 2 (q' % 2) + t // 2
                     conv = [fp4x8_to_f16x2x4(words[qq][t], scale_to_f16x2(
                         sf[qq // 2], sel0 | cutlass.Uint32((2 * (qq % 2) + t // 2) * 0x101))) for qq in range(4)]
                     for i in cutlass.range_constexpr(4):
                         s_log = 2 * t + i // 2  # logical k16 step; slot i % 2 selects k 8..15 of the step
-                        addr = a16 + (s_log // 4) * 16384 + ((((2 * s_log + i % 2) % 8) * 16) ^ a16_swz16)
+                        addr = a16 + (s_log // 4) * (self.a16_bytes // 2) + ((((2 * s_log + i % 2) % 8) * 16) ^ a16_swz16)
                         st_shared_v4(addr, conv[0][i], conv[1][i], conv[2][i], conv[3][i])
                 fence_async_smem()
                 mbar_arrive(a16_full + 8 * b)
                 chunk = chunk + 1
-            tile = tile + grid
 
     # -----------------------------------------------------------------------------------------------
     # Consumer warpgroups
     # -----------------------------------------------------------------------------------------------
     @cute.jit
-    def consumer(self, tiled_mma, sA16, ptrs, sizes, descriptors, total_tiles, bid, grid, tidx, warp,
+    def consumer(self, sA16, ptrs, sizes, work, descriptors, total_tiles, bid, grid, tidx, warp,
                  full_bar, empty_bar, stages, a16_full, a16_empty, c_base):
         # warp-uniform values stay in uniform registers (TMA operands must not need a predicated R2UR)
         wg = warp // 4 - 2
         w = warp % 4
         tid = tidx % 128
         lane = tid % 32
-        leader = cutlass.Int32(0)
-        if tid == 0:
-            leader = cutlass.Int32(1)
 
-        thr_mma = tiled_mma.get_slice(tid)
-        # (MMA, MMA_N, MMA_K, A16 buffer)
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sA16))
-        # (MMA, MMA_M, MMA_N) per 64-row block of B
-        accs = [cute.make_rmem_tensor(tiled_mma.partition_shape_C((64, self.tile_m)), cutlass.Float32)
-                for _ in range(self.bpw)]
+        # One tiled MMA per width: C^T block (64 rows of B) x (width rows of A), A operand from registers.
+        tiled_mmas = [sm90_utils.make_trivial_tiled_mma(
+            cutlass.Float16, cutlass.Float16, _OperandMajorMode.K, _OperandMajorMode.K, cutlass.Float32,
+            (1, 1, 1), (64, width), warpgroup.OperandSource.RMEM) for width in self.widths]
         # (MMA, MMA_M, MMA_K=2): register-sourced wgmma A operand for a quarter chunk (32 k), per block,
-        # two buffers (even / odd quarter)
-        frag_shape = tiled_mma.partition_shape_A((64, 32))
+        # two buffers (even / odd quarter); the same shape for every width
+        frag_shape = tiled_mmas[0].partition_shape_A((64, 32))
         frags = [[cute.make_rmem_tensor(frag_shape, cutlass.Float16) for _ in range(2)] for _ in range(self.bpw)]
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
 
         # Per-thread constants, kept to a few registers: every other offset is base + compile-time constant.
         # B: rows r, r + 8 of each 64-row block (r + 8 and r + 64 keep the SW64 swizzle and the scale-slice
@@ -2774,51 +2936,78 @@ class Sm90BlockScaledGroupedGemmKernel:
         chunk = cutlass.Int32(0)
         last_g = cutlass.Int32(-1)
         scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
-        group, group_first, group_tiles = scheduler.first_state()
-        tile = cutlass.Int32(bid)
-        while tile < total_tiles:
-            group, group_first, group_tiles = scheduler.find_group(tile, group, group_first, group_tiles)
-            g, m_size, n_size, k_size = self.group_sizes(sizes, group)
-            m_tile, n_tile = scheduler.tile_coord(tile, group_first, m_size)
+        walk = scheduler.first_state()
+        begin, end = self.tile_range(work, total_tiles, bid, grid)
+        for i in range(begin, end):
+            g, m0, width_idx, n_tile, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
+            _, _, _, k_size = self.group_sizes(sizes, g)
             g = cute.arch.make_warp_uniform(g)
             if g != last_g:
                 if tid == 0:  # the thread that issues this warpgroup's TMA stores
                     descriptors.acquire(g, (Sm90TensorMapSlot.C,))
                 last_g = g
-            desc_c = descriptors.address(g, Sm90TensorMapSlot.C)
+            for wi in cutlass.range_constexpr(len(self.widths)):
+                if width_idx == wi:
+                    self.consume_tile(self.widths[wi], tiled_mmas[wi], sA16[wi], frags, chunk, k_size,
+                                      descriptors.address(g, Sm90TensorMapSlot.C), m0, n_tile, wg, w, tid,
+                                      full_bar, empty_bar, stages, a16_full, a16_empty, c_base, b_off, sfb_off,
+                                      b_sel)
+            chunk = chunk + k_size // self.k_chunk
+        if tid == 0:
+            bulk_wait_all()
 
-            for blk in cutlass.range_constexpr(self.bpw):
-                accs[blk].fill(0.0)
-            first = cutlass.Int32(1)
-            for _ in range(k_size // self.k_chunk):
-                self.consume_chunk(chunk, first, frags, accs, tCrB, tiled_mma, full_bar, empty_bar, stages,
-                                   a16_full, a16_empty, b_off, sfb_off, b_sel)
-                first = cutlass.Int32(0)
-                chunk = chunk + 1
-            warpgroup.wait_group(0)
-            mbar_arrive(a16_empty + 8 * ((chunk - 1) % self.NUM_A16))
+    @cute.jit
+    def consume_tile(self, width: int, tiled_mma, sA16, frags, chunk, k_size, desc_c, m0, n_tile, wg, w, tid,
+                     full_bar, empty_bar, stages, a16_full, a16_empty, c_base, b_off, sfb_off, b_sel):
+        """One tile of `width` rows of A: the K loop into accumulators (64 n x width m per block), then the
+        epilogue (fp16 slabs of at most 128 m x 64 n, TMA-stored as box_rows-row boxes of C^T)."""
+        lane = tid % 32
+        leader = cutlass.Int32(0)
+        if tid == 0:
+            leader = cutlass.Int32(1)
+        thr_mma = tiled_mma.get_slice(tid)
+        # (MMA, MMA_N, MMA_K, A16 buffer)
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sA16))
+        # (MMA, MMA_M, MMA_N) per 64-row block of B
+        accs = [cute.make_rmem_tensor(tiled_mma.partition_shape_C((64, width)), cutlass.Float32)
+                for _ in range(self.bpw)]
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        for blk in cutlass.range_constexpr(self.bpw):
+            accs[blk].fill(0.0)
+        num_chunks = k_size // self.k_chunk
+        for c in range(num_chunks):
+            first = cutlass.Int32(0)
+            if c == 0:
+                first = cutlass.Int32(1)
+            self.consume_chunk(chunk + c, first, frags, accs, tCrB, tiled_mma, full_bar, empty_bar, stages,
+                               a16_full, a16_empty, b_off, sfb_off, b_sel)
+        warpgroup.wait_group(0)
+        mbar_arrive(a16_empty + 8 * ((chunk + num_chunks - 1) % self.NUM_A16))
 
-            # Epilogue: per block, acc (64 n x 128 m) -> fp16 slab [m][n] in shared memory -> TMA store.
-            c_slab = cute.arch.make_warp_uniform(c_base + wg * self.C_BYTES)
-            m0 = cute.arch.make_warp_uniform(m_tile * self.tile_m)
-            for blk in cutlass.range_constexpr(self.bpw):
+        # Epilogue: per block and per pass of at most 128 rows of A, acc -> fp16 slab [m][n] in shared
+        # memory -> TMA stores of box_rows x 64 boxes.
+        c_slab = cute.arch.make_warp_uniform(c_base + wg * self.C_BYTES)
+        m0 = cute.arch.make_warp_uniform(m0)
+        for blk in cutlass.range_constexpr(self.bpw):
+            n0 = cute.arch.make_warp_uniform(n_tile * self.tile_n + 64 * (self.bpw * wg + blk))
+            for p in cutlass.range_constexpr((width + 127) // 128):
+                rows = min(128, width - 128 * p)
                 if tid == 0:
                     bulk_wait_read_all()  # the previous store has read the slab (no-op when none is pending)
                 named_barrier(self.EPILOGUE_BARRIER + wg, 128)
                 acc = accs[blk]
-                for v in cutlass.range_constexpr(cute.size(acc)):
+                # value v of the accumulator: n 16 w + lane / 4 + 8 ((v / 2) % 2), m 2 (lane % 4) + v % 2 + 8 (v / 4)
+                for v in cutlass.range_constexpr(64 * p, 64 * p + rows // 2):
                     n_local = 16 * w + lane // 4 + 8 * ((v // 2) % 2)
-                    m_local = 2 * (lane % 4) + (v % 2) + 8 * (v // 4)
+                    m_local = 2 * (lane % 4) + (v % 2) + 8 * (v // 4) - 128 * p
                     st_shared_f16_scaled(c_slab + (m_local * 64 + n_local) * 2, acc[v])
                 fence_async_smem()
                 named_barrier(self.EPILOGUE_BARRIER + wg, 128)
-                n0 = cute.arch.make_warp_uniform(n_tile * self.tile_n + 64 * (self.bpw * wg + blk))
-                tma_store_2d(desc_c, n0, m0, c_slab, leader)
+                for j in cutlass.range_constexpr(rows // self.box_rows):
+                    tma_store_2d(desc_c, n0, m0 + 128 * p + j * self.box_rows, c_slab + j * self.box_rows * 128,
+                                 leader)
                 if tid == 0:
                     bulk_commit()
-            tile = tile + grid
-        if tid == 0:
-            bulk_wait_all()
 
     @cute.jit
     def consume_chunk(self, chunk, first, frags, accs, tCrB, tiled_mma, full_bar, empty_bar, stages, a16_full,
@@ -2881,13 +3070,20 @@ def compile_key(num_groups: int, arch: str, config=None, part: str = "gemm") -> 
 _compiled_kernels: dict = {}
 
 
-def kernel_args(raw_args: tuple) -> tuple:
+def kernel_args(raw_args: tuple, num_tables: int = 3) -> tuple:
     """The DSL arguments of a kernel from plain ints: pointer table, size table, descriptor workspace
-    (addresses; their dtype and alignment are part of the compiled signature), then Int32 counts."""
+    (addresses; their dtype and alignment are part of the compiled signature), with num_tables=4 the Hopper
+    GEMM's work list, then Int32 counts."""
     dtypes_aligns = ((cutlass.Int64, METADATA_ALIGN_BYTES), (cutlass.Int32, METADATA_ALIGN_BYTES),
-                     (cutlass.Int64, TENSORMAP_BYTES))
+                     (cutlass.Int64, TENSORMAP_BYTES), (cutlass.Int32, METADATA_ALIGN_BYTES))[:num_tables]
     tables = tuple(gmem_ptr(dtype, address, align) for (dtype, align), address in zip(dtypes_aligns, raw_args))
-    return (*tables, *(cutlass.Int32(count) for count in raw_args[3:]))
+    return (*tables, *(cutlass.Int32(count) for count in raw_args[num_tables:]))
+
+
+def sm90_gemm_args(raw_args: tuple) -> tuple:
+    """The DSL arguments of the Hopper GEMM: the three tables, its work list (address; 0 unless m_exact),
+    tile count and grid size."""
+    return kernel_args(raw_args, num_tables=4)
 
 
 def _compile(key: tuple) -> Callable:
@@ -2903,7 +3099,7 @@ def _compile(key: tuple) -> Callable:
             return cute.compile(GroupTensormapKernel(kernel), *tables, num_groups, **options)
         if part == "convert":
             return cute.compile(Sm90AConvertKernel(num_groups), *kernel_args((0, 0, 0, 1)), **options)
-        return cute.compile(kernel, *kernel_args((0, 0, 0, 1, 1)), **options)
+        return cute.compile(kernel, *sm90_gemm_args((0, 0, 0, 0, 1, 1)), **options)
     if not (arch.startswith("sm_10") and not isinstance(config, Sm90GemmConfig)):
         raise UnsupportedDeviceError(f"no kernel for {arch} with {type(config).__name__}: kernels exist for "
                                      "sm_100a (Blackwell) and sm_90a (Hopper)")
@@ -3068,7 +3264,8 @@ def kernel_parts(config) -> tuple:
 
 def make_call_launcher(num_groups: int, arch: str, config, kernel: Callable, metadata) -> Callable[[], object]:
     """What one custom_kernel call launches: the GEMM, preceded by the Hopper A prepass where there is one."""
-    gemm = make_launcher(kernel, metadata.launch_args)
+    gemm = make_launcher(kernel, metadata.launch_args,
+                         sm90_gemm_args if isinstance(config, Sm90GemmConfig) else kernel_args)
     if "convert" not in kernel_parts(config):
         return gemm
     convert = make_launcher(compiled_kernel(compile_key(num_groups, arch, config, "convert")), metadata.prepass_args)
@@ -3250,10 +3447,17 @@ def can_implement(data) -> tuple:
 def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata:
     staging, table_buffer, ptr_table, size_table = pack_group_metadata(data, device)
     num_tiles = num_output_tiles(data[3], config.tile_mn)
+    work_list = None
     if isinstance(config, Sm90GemmConfig):
         num_ctas = min(num_tiles, _device_sm_count(device.index))
+        work_address = 0
+        if config.m_exact:
+            plan = plan_sm90_work(tuple(map(tuple, data[3])), _device_sm_count(device.index))
+            num_tiles, num_ctas = plan.num_tiles, len(plan.cta_tiles)
+            work_list = sm90_work_list(plan, device)
+            work_address = work_list.data_ptr()
         workspace_bytes = Sm90BlockScaledGroupedGemmKernel.workspace_bytes(config, data[3])
-        counts = (num_tiles, num_ctas)
+        counts = (work_address, num_tiles, num_ctas)
     elif isinstance(config, Sm100PersistentConfig):
         num_ctas = min(num_tiles, _device_sm_count(device.index))
         workspace_bytes = Sm100PersistentGroupedGemmKernel.tensormap_workspace_bytes(config, len(data[3]), num_ctas)
@@ -3272,7 +3476,8 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
     if "convert" in kernel_parts(config):
         items = max(m * (k // 128) * 4 for m, _, k, _ in data[3])
         prepass_args = (*tables, ceil_div(items, Sm90AConvertKernel.threads))
-    return LaunchMetadata(table_buffer, workspace, num_tiles, num_ctas, (*tables, *counts), tables, prepass_args)
+    return LaunchMetadata(table_buffer, workspace, num_tiles, num_ctas, (*tables, *counts), tables, prepass_args,
+                          work_list)
 
 
 def kernel_config(data, device: torch.device):

@@ -202,7 +202,7 @@ def test_prepared_call_key_holds_the_hopper_variant(monkeypatch):
     metadata = types.SimpleNamespace(launch_args=(1, 2, 3, 4, 5))
     monkeypatch.setattr(submission, "launch_metadata", lambda data, device, config: metadata)
     launches = []
-    monkeypatch.setattr(submission, "make_launcher", lambda kernel, args: lambda: launches.append(kernel[1]))
+    monkeypatch.setattr(submission, "make_launcher", lambda kernel, args, *_: lambda: launches.append(kernel[1]))
     data = tuple(reference.generate_input(m=(64,), n=(128,), k=(256,), g=1, seed=1))
     data = (tuple(data[0]), tuple(data[1]), tuple(data[2]), tuple(data[3]))
     submission.custom_kernel(data)

@@ -54,7 +54,8 @@ def test_sm100a_builds_for_every_task_group_count(tmp_path, variant):
             assert used <= allocated <= 512 and row["info"]["planned_smem_bytes"] + 1024 <= 232448, row
 
 
-@pytest.mark.parametrize("variant", ["sm90_tile128", "sm90_tile256", "sm90_a16_tile128", "sm90_a16_tile256"])
+@pytest.mark.parametrize("variant", ["sm90_tile128", "sm90_tile256", "sm90_a16_tile128", "sm90_a16_tile256",
+                                     "sm90_a16_mexact"])
 def test_sm90a_builds_for_every_task_group_count(tmp_path, variant):
     proc, report = _compile(tmp_path, "sm_90a", ("--variant", variant))
     assert proc.returncode == 0, proc.stdout[-3000:]

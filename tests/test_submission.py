@@ -443,7 +443,7 @@ def _stub_full_path(monkeypatch):
         return type("Metadata", (), {"launch_args": (1, 2, 3, 4, 5)})()
 
     monkeypatch.setattr(submission, "launch_metadata", launch_metadata)
-    monkeypatch.setattr(submission, "make_launcher", lambda kernel, args: lambda: launches.append((kernel, args)))
+    monkeypatch.setattr(submission, "make_launcher", lambda kernel, args, *_: lambda: launches.append((kernel, args)))
     return seen, launches
 
 
