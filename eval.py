@@ -54,7 +54,10 @@ os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
 HERE = Path(__file__).resolve().parent
 NUM_ITERATIONS_PER_BENCHMARK = 15
 RUN_MODES = ("test", "benchmark", "leaderboard", "profile")
-SASS_OPS = ("UTCOMMA", "UTCQMMA", "UTMALDG", "UTMASTG", "UTCCP", "HGMMA", "STG", "LDL", "STL", "PREEXIT", "ACQBULK")
+SASS_OPS = ("UTCOMMA", "UTCQMMA", "UTMALDG", "UTMASTG", "UTCCP", "HGMMA", "WGDEP1", "STG", "LDL", "STL", "PREEXIT",
+            "ACQBULK")
+# WGDEP1: `WARPGROUP.DEPBAR.LE gsb0, 0x1`, a wait that leaves one wgmma group in flight. A Hopper kernel
+# without any has its wgmmas serialized by ptxas (its C7512 "Potential Performance Loss" info).
 GENERATOR_KEYS = ("m", "n", "k", "g", "seed")
 
 
@@ -728,6 +731,7 @@ def count_sass(sass: str) -> dict[str, int]:
     for match in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", sass):
         if match[1] in counts:
             counts[match[1]] += 1
+    counts["WGDEP1"] = len(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b", sass))
     return counts
 
 

@@ -396,7 +396,9 @@ def set_variant(name: str) -> None:
 # M-exact Hopper tiles (Sm90GemmConfig.m_exact): the widths a tile's A rows (the wgmma N) can take. Each
 # width is its own compiled mainloop, chosen per tile at run time; 192 is the widest whose three fp16 A
 # buffers (48 KB each) fit in shared memory beside the B stages and the epilogue slabs.
-SM90_WIDTHS = (32, 64, 96, 128, 160, 192)
+# NOTES: five widths, not six: with a sixth mainloop (32) ptxas serializes every wgmma of the kernel
+# ("insufficient register resources", C7512; tests/test_build.py checks the SASS for it).
+SM90_WIDTHS = (64, 96, 128, 160, 192)
 # Cost of one 128-k chunk of an M-exact tile, in rows of MMA: its W rows plus the B conversion and
 # pipeline work that does not shrink with W (H200: a 128-row a16 chunk took 0.86 us, 0.67 us of it MMA).
 SM90_CHUNK_OVERHEAD_ROWS = 36
@@ -448,18 +450,22 @@ SM90_VARIANT_CONFIGS = {
     "sm90_a16_tile256": Sm90GemmConfig(blocks_per_wg=2, a16_prepass=True),
     "sm90_a16_mexact": Sm90GemmConfig(a16_prepass=True, m_exact=True),
 }
-# Measured time of one 128 x 256 Hopper tile over one 128 x 128 tile (H200, docs/HOPPER_NOTES.md, v3).
-SM90_TILE256_COST = 1.47
 
 
 def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
-    """Larger tiles convert less per MMA but fill the SMs worse: the fewer estimated tile rounds wins."""
-    small, large = SM90_VARIANT_CONFIGS["sm90_tile128"], SM90_VARIANT_CONFIGS["sm90_tile256"]
-    if any(n % large.tile_mn[1] for _, n, _, _ in problem_sizes):
-        return small
-    rounds_small = ceil_div(num_output_tiles(problem_sizes, small.tile_mn), num_sms)
-    rounds_large = ceil_div(num_output_tiles(problem_sizes, large.tile_mn), num_sms)
-    return large if rounds_large * SM90_TILE256_COST < rounds_small else small
+    """A converted once per call (prepass) in both choices; M-exact tiles where their plan is predicted at
+    least SM90_MEXACT_MARGIN faster than 128-row tiles dealt round-robin, else 128-row tiles (equal plans:
+    the fixed 128-row kernel has the shorter start, no work list to read)."""
+    sizes = tuple(map(tuple, problem_sizes))
+    plan = plan_sm90_work(sizes, num_sms)
+    rounds = ceil_div(num_output_tiles(sizes, (128, 128)), num_sms)
+    round_robin = rounds * max(sm90_tile_cost(128, k) for _, _, k, _ in sizes)
+    if plan.makespan < (1 - SM90_MEXACT_MARGIN) * round_robin:
+        return SM90_VARIANT_CONFIGS["sm90_a16_mexact"]
+    return SM90_VARIANT_CONFIGS["sm90_a16_tile128"]
+
+
+SM90_MEXACT_MARGIN = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2555,7 +2561,8 @@ class Sm90BlockScaledGroupedGemmKernel:
 
     blocks_per_wg (bpw, compile time) = 64-row blocks of B per consumer warpgroup: 1 -> tile 128 (n) x 128
     (m); 2 -> tile 256 x 128 (each fp16 A buffer feeds twice the MMA work: ~25 % less time per MAC on the
-    H200, but half as many tiles). Registers (setmaxnreg): producer 24, transform 64, consumers 208.
+    H200, but half as many tiles). Registers (setmaxnreg): producer 24, transform 64, consumers 208 (m_exact:
+    24, 24, 232).
     Shared memory: stages (4 x 18 KB | 3 x 27 KB) + 3 x 32 KB fp16 A + 2 x 16 KB epilogue, ~205 / 214 KB.
     Named barriers: EPILOGUE_BARRIER + consumer index (128 threads each).
 
@@ -2599,8 +2606,10 @@ class Sm90BlockScaledGroupedGemmKernel:
         self.stage_bytes = self.sfb_in_stage + self.SF_BYTES * blocks_per_wg
         self.threads = 512
         self.producer_regs = 24
-        self.transform_regs = 64
-        self.consumer_regs = 208
+        # m_exact: the transform warpgroup is idle (prepass) and gives its registers to the consumers, whose
+        # widest accumulator (64 x 192) needs them: 128 x (24 + 24) + 256 x 232 = 65536
+        self.transform_regs = 24 if self.m_exact else 64
+        self.consumer_regs = 232 if self.m_exact else 208
 
     @cute.jit
     def group_sizes(self, sizes: cute.Tensor, group: cutlass.Int32):
@@ -2976,9 +2985,9 @@ class Sm90BlockScaledGroupedGemmKernel:
             accs[blk].fill(0.0)
         num_chunks = k_size // self.k_chunk
         for c in range(num_chunks):
-            first = cutlass.Int32(0)
-            if c == 0:
-                first = cutlass.Int32(1)
+            # NOTES: branch-free on purpose: a dynamic `if` between wgmma groups makes ptxas wait for every
+            # wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the SASS): the MMAs serialize.
+            first = cutlass.Int32(c == 0)
             self.consume_chunk(chunk + c, first, frags, accs, tCrB, tiled_mma, full_bar, empty_bar, stages,
                                a16_full, a16_empty, b_off, sfb_off, b_sel)
         warpgroup.wait_group(0)
