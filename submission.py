@@ -38,12 +38,15 @@ Nothing above has run on a B200 (none was available to this project): it is chec
 and reading the SASS.
 
 How it runs on Hopper (sm_90a, `Sm90BlockScaledGroupedGemmKernel`, checked on an H200): no fp4 tensor cores,
-so both operands are dequantized exactly to fp16 in the kernel (every e2m1 x e4m3 product is exact in fp16)
-and multiplied by fp16 wgmma with fp32 accumulation. One persistent launch walks the same
-`GroupTileScheduler`; a producer warp TMA-loads the packed fp4 bytes and bulk-copies the blocked scales, a
-transform warpgroup dequantizes A into shared memory, two consumer warpgroups dequantize B in registers as
-the wgmma A operand and store C^T tiles by TMA. The tile (128x128 or 128x256) is chosen per problem
-(`choose_sm90_config`). Both arches share the host path: constraint check, pointer/size tables, launch
+so both operands are dequantized exactly to fp16 (every e2m1 x e4m3 product is exact in fp16) and multiplied
+by fp16 wgmma with fp32 accumulation. By default (`sm90_auto` = `sm90_a16_mexact`) `Sm90AConvertKernel` first
+writes every group's A as fp16 into the launch's workspace, once per call; then one persistent GEMM launch
+walks a host-planned work list (`plan_sm90_work`: each group's M split into tiles 64-192 rows wide, dealt
+longest first to the least-loaded CTA): a producer warp TMA-loads fp16 A, the packed fp4 B and its blocked
+scales, two consumer warpgroups dequantize B in registers as the wgmma A operand, run the mainloop compiled
+for the tile's width, and store C^T tiles by TMA. The other variants (`SM90_VARIANT_CONFIGS`) use 128-row
+tiles on the round-robin `GroupTileScheduler`, and those without the prepass convert A in a transform
+warpgroup of every CTA. Both arches share the host path: constraint check, pointer/size tables, launch
 metadata cache, compile cache, the prepared-call fast path and the launch paths (`LAUNCH_PATH`: the DSL's
 TVM-FFI entry where apache-tvm-ffi imports, else its ctypes entry with arguments packed once).
 docs/HOPPER_NOTES.md has the design and log.
@@ -453,19 +456,10 @@ SM90_VARIANT_CONFIGS = {
 
 
 def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
-    """A converted once per call (prepass) in both choices; M-exact tiles where their plan is predicted at
-    least SM90_MEXACT_MARGIN faster than 128-row tiles dealt round-robin, else 128-row tiles (equal plans:
-    the fixed 128-row kernel has the shorter start, no work list to read)."""
-    sizes = tuple(map(tuple, problem_sizes))
-    plan = plan_sm90_work(sizes, num_sms)
-    rounds = ceil_div(num_output_tiles(sizes, (128, 128)), num_sms)
-    round_robin = rounds * max(sm90_tile_cost(128, k) for _, _, k, _ in sizes)
-    if plan.makespan < (1 - SM90_MEXACT_MARGIN) * round_robin:
-        return SM90_VARIANT_CONFIGS["sm90_a16_mexact"]
-    return SM90_VARIANT_CONFIGS["sm90_a16_tile128"]
-
-
-SM90_MEXACT_MARGIN = 0.05
+    """M-exact tiles with A converted once per call, for every problem: on the H200 they were faster than or
+    level with every other variant on each benchmark (docs/HOPPER_NOTES.md v11); their plan
+    (`plan_sm90_work`) already weighs tile widths against filling the SMs."""
+    return SM90_VARIANT_CONFIGS["sm90_a16_mexact"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2497,7 +2491,9 @@ class Sm90AConvertKernel:
     warpgroup writes to shared memory (same encoding: value * 2^-14 * scale * 2^7, undone in the epilogue;
     same k permutation, which B's register conversion matches), so a TMA load of a 64-k box with the
     128-byte swizzle puts them where the wgmma expects them. Launched without programmatic dependent launch:
-    it waits for the previous GEMM on the queue, which may still read an earlier call's fp16 A.
+    it waits for the previous GEMM on the queue, which may still read an earlier call's fp16 A. It does not
+    trigger the GEMM's early launch either: measured no gain (docs/HOPPER_NOTES.md, dead experiments; a GEMM
+    CTA needs the SM's whole register file, so it cannot start beside a prepass CTA).
     """
 
     threads = 256
@@ -2561,7 +2557,7 @@ class Sm90BlockScaledGroupedGemmKernel:
 
     blocks_per_wg (bpw, compile time) = 64-row blocks of B per consumer warpgroup: 1 -> tile 128 (n) x 128
     (m); 2 -> tile 256 x 128 (each fp16 A buffer feeds twice the MMA work: ~25 % less time per MAC on the
-    H200, but half as many tiles). Registers (setmaxnreg): producer 24, transform 64, consumers 208 (m_exact:
+    H200, but half as many tiles). Registers (setmaxnreg): producer 24, transform 64, consumers 208 (prepass:
     24, 24, 232).
     Shared memory: stages (4 x 18 KB | 3 x 27 KB) + 3 x 32 KB fp16 A + 2 x 16 KB epilogue, ~205 / 214 KB.
     Named barriers: EPILOGUE_BARRIER + consumer index (128 threads each).
@@ -2606,10 +2602,11 @@ class Sm90BlockScaledGroupedGemmKernel:
         self.stage_bytes = self.sfb_in_stage + self.SF_BYTES * blocks_per_wg
         self.threads = 512
         self.producer_regs = 24
-        # m_exact: the transform warpgroup is idle (prepass) and gives its registers to the consumers, whose
-        # widest accumulator (64 x 192) needs them: 128 x (24 + 24) + 256 x 232 = 65536
-        self.transform_regs = 24 if self.m_exact else 64
-        self.consumer_regs = 232 if self.m_exact else 208
+        # With the prepass the transform warpgroup is idle and gives its registers to the consumers:
+        # 128 x (24 + 24) + 256 x 232 = 65536. NOTES: the widest accumulators (64 x 192 of m_exact, 2 x 64 x 128
+        # of bpw 2) need them: with 208, ptxas serializes every wgmma (C7512) or spills.
+        self.transform_regs = 24 if self.prepass else 64
+        self.consumer_regs = 232 if self.prepass else 208
 
     @cute.jit
     def group_sizes(self, sizes: cute.Tensor, group: cutlass.Int32):

