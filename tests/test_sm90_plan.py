@@ -91,3 +91,14 @@ def test_benchmark_plans_pad_less_than_128_row_tiles():
         rows = sum(s * w for s, w in plan.splits)
         rows128 = sum(-(-m // 128) * 128 for m, _, _, _ in shape)
         assert rows <= 0.9 * rows128, (plan.splits, rows, rows128)
+
+
+def test_plan_of_a_large_moe_layer_is_quick():
+    # Planned once per shape on the first call: 128 groups of up to 3000 rows must not cost seconds.
+    import time
+    rng = random.Random(3)
+    shape = tuple((rng.randint(1, 3000), 8192, 2048, 1) for _ in range(128))
+    start = time.perf_counter()
+    plan = submission.plan_sm90_work(shape, 132)
+    assert time.perf_counter() - start < 2.0  # ~0.1 s on a 2-core CI box
+    assert plan.num_tiles == sum(s * 64 for s, _ in plan.splits)
