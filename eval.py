@@ -984,13 +984,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"))
     parser.add_argument("--variants", metavar="A,B")
     parser.add_argument("-h", "--help", action="store_true")
-    mode = argv[0] if fd and argv else parser.parse_known_args(argv)[0].mode
+    # intermixed: options may come before, between or after MODE and FILE
+    mode = argv[0] if fd and argv else parser.parse_known_intermixed_args(argv)[0].mode
     if mode not in modes:
         return usage_error("eval.py", f"unknown mode {mode!r}; choose one of {', '.join(modes)} "
                                       "(python eval.py --help)")
     if fd:
         return popcorn_main(fd, argv)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     if args.help:
         print(__doc__)
         return 0

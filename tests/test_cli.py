@@ -161,6 +161,16 @@ def test_unknown_kernel_variant_is_named(capsys, monkeypatch):
     assert "'nonsense'" in line and all(name in line for name in submission.KERNEL_VARIANTS), line
 
 
+@pytest.mark.parametrize("argv", [["benchmark", "--variants", "nonsense", "task.yml"],
+                                  ["--variants", "nonsense", "benchmark", "task.yml"],
+                                  ["benchmark", "task.yml", "--variants", "nonsense"]])
+def test_options_may_come_anywhere_among_mode_and_file(capsys, monkeypatch, argv):
+    # the file after an option is still the file (the variant is what is wrong here, not the order)
+    monkeypatch.setattr(ev, "gpu_problem", lambda: "no GPU in this test")
+    line = in_process_line(capsys, ev.main(argv), 2)
+    assert "'nonsense'" in line and "unrecognized" not in line, line
+
+
 def test_bad_environment_variable_is_named_before_the_gpu_check():
     line = one_line(run("eval.py", "test", env={"NVFP4_KERNEL_VARIANT": "bogus"}), 2)
     assert "NVFP4_KERNEL_VARIANT='bogus'" in line
