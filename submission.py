@@ -65,8 +65,9 @@ How to use it:
     set_variant(name)        one of KERNEL_VARIANTS; custom_kernel uses KERNEL_VARIANT at each call
                              (NVFP4_KERNEL_VARIANT=name in the environment sets it at import; the default is
                              the DEFAULT_KERNEL_VARIANT line, which `eval.py export` rewrites)
-    set_sm90_variant(name)   Hopper: one of SM90_VARIANTS ("sm90_auto" picks the tile per problem, the others
-                             force one; NVFP4_SM90_VARIANT=name at import)
+    set_sm90_variant(name)   Hopper: one of SM90_VARIANTS ("sm90_auto": choose_sm90_config's choice, today
+                             M-exact tiles planned per problem; the others force one variant;
+                             NVFP4_SM90_VARIANT=name at import)
     set_launch_path(name)    one of LAUNCH_PATHS ("tvm_ffi", "prepacked", "dsl"; NVFP4_LAUNCH_PATH=name at import)
     set_pdl(on)              programmatic dependent launch of the persistent kernels (default on; NVFP4_PDL=0)
     compile_for(num_groups, arch=None, variant=None)
@@ -582,7 +583,7 @@ def sm90_work_list(plan: Sm90WorkPlan, device: torch.device) -> torch.Tensor:
     return words
 
 
-# How custom_kernel picks its Hopper tile: "sm90_auto" per problem (choose_sm90_config), or one entry of
+# How custom_kernel picks its Hopper kernel: "sm90_auto" per problem (choose_sm90_config), or one entry of
 # SM90_VARIANT_CONFIGS forced (eval.py bringup runs each). Part of the prepared-call key, as KERNEL_VARIANT
 # is; NVFP4_SM90_VARIANT=name at import, set_sm90_variant(name) at run time; no effect on a B200.
 SM90_VARIANTS = ("sm90_auto", *SM90_VARIANT_CONFIGS)
@@ -3509,8 +3510,8 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
 
 
 def kernel_config(data, device: torch.device):
-    """The kernel configuration custom_kernel runs for this input on this device: on Hopper the tile
-    variant that suits the problem sizes (SM90_VARIANT "sm90_auto") or SM90_VARIANT's forced tile; on
+    """The kernel configuration custom_kernel runs for this input on this device: on Hopper
+    choose_sm90_config's (SM90_VARIANT "sm90_auto") or SM90_VARIANT's forced variant; on
     Blackwell the tile-table row that suits them (KERNEL_VARIANT "persistent") or KERNEL_VARIANT's fixed
     config."""
     if _target_arch(device).startswith("sm_90"):
