@@ -65,9 +65,10 @@ def _time_per_call(fn, inputs, repeats: int) -> float:
     torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
-        clear_l2_cache_large()
+        # the runner's order: wait, flush, record; the calls queue behind the flush (no wait after it)
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        clear_l2_cache_large()
         start.record()
         for data in inputs:
             fn(data)

@@ -300,3 +300,28 @@ def test_main_no_humming_leaves_it_out(cpu_main, capsys, monkeypatch):
     lines = cpu_main(capsys, "--no-humming")
     assert lines[-1] == "humming column left out (--no-humming)"
     assert not any("humming µs" in line for line in lines)
+
+
+def test_timing_loop_is_the_runners(monkeypatch):
+    # Per repeat, as the runner's harness (eval.py's loop): wait for the GPU, flush L2, record the start
+    # event with no wait in between (the calls queue behind the flush), the calls, the end event, wait.
+    log = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            log.append("new")
+
+        def record(self):
+            log.append("record")
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: log.append("sync"))
+    monkeypatch.setattr(bench.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(bench, "clear_l2_cache_large", lambda: log.append("flush"))
+    us = bench._time_per_call(lambda data: log.append(f"call{data}"), [0, 1], repeats=2)
+    assert us == pytest.approx(500.0)  # 1 ms over 2 calls
+    warm = ["call0", "call1", "sync"]
+    one = ["sync", "new", "new", "flush", "record", "call0", "call1", "record", "sync"]
+    assert log == warm + one + one
