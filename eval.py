@@ -786,12 +786,13 @@ class PlannedKernel:
     """One kernel compile builds: the name compile_for builds it by, its output tile (M x N) and G."""
 
     variant: str
-    tile_mn: tuple
+    tile_mn: tuple  # M-exact Hopper tiles: the widest
     groups: int
+    m_rows: str = ""  # the tile's rows of A where they vary per tile (M-exact: "64-192")
 
     @property
     def label(self) -> str:
-        return f"{self.variant} {self.tile_mn[0]}x{self.tile_mn[1]} g={self.groups}"
+        return f"{self.variant} {self.m_rows or self.tile_mn[0]}x{self.tile_mn[1]} g={self.groups}"
 
 
 def arch_variants(submission, arch: str) -> tuple:
@@ -811,7 +812,7 @@ def planned_kernel(submission, arch: str, variant: Optional[str], groups: int, s
         if chosen in named:
             config = named[chosen]
         else:  # per problem, or compile_for's default for a bare group count
-            config = submission.choose_sm90_config(sizes, num_sms) if sizes else named["sm90_tile128"]
+            config = submission.choose_sm90_config(sizes or (), num_sms)
     else:
         named = submission.VARIANT_CONFIGS
         chosen = variant or submission.KERNEL_VARIANT
@@ -822,7 +823,9 @@ def planned_kernel(submission, arch: str, variant: Optional[str], groups: int, s
     if name is None:
         raise LookupError(f"submission.py chose a {arch} kernel that no variant names ({config}); compile_for "
                           "cannot build it")
-    return PlannedKernel(name, tuple(config.tile_mn), groups)
+    widths = submission.SM90_WIDTHS
+    m_rows = f"{widths[0]}-{widths[-1]}" if getattr(config, "m_exact", False) else ""
+    return PlannedKernel(name, tuple(config.tile_mn), groups, m_rows)
 
 
 def _case_sizes(case: TestCase) -> list[tuple]:

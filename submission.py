@@ -3306,12 +3306,15 @@ def make_call_launcher(num_groups: int, arch: str, config, kernel: Callable, met
     return launch
 
 
+_SM90_COMPILE_SMS = 132  # an H100 SXM / H200: only what choose_sm90_config weighs, nothing is baked in
+
+
 def compile_for(num_groups: int, arch: Optional[str] = None, variant: Optional[str] = None) -> Callable:
     """Build the kernels for `num_groups` groups, without launching them, through custom_kernel's cache.
 
     The DSL builds for CUTE_DSL_ARCH when it is set (no GPU needed), else for the current GPU; `arch`, when
-    given, must name that same target. `variant` defaults to KERNEL_VARIANT on sm_100a and to
-    "sm90_tile128" on sm_90a (one of SM90_VARIANT_CONFIGS there); another target raises
+    given, must name that same target. `variant` defaults to KERNEL_VARIANT on sm_100a and on sm_90a to
+    what "sm90_auto" runs (choose_sm90_config; one of SM90_VARIANT_CONFIGS there); another target raises
     UnsupportedDeviceError. Returns the compiled GEMM kernel. The variant's
     other kernel (the descriptor preparation of "persistent") is built too, after the GEMM; its cubin's
     name sorts before the GEMM's.
@@ -3328,7 +3331,7 @@ def compile_for(num_groups: int, arch: Optional[str] = None, variant: Optional[s
     if target.startswith("sm_90"):
         if variant is not None:
             _check_choice("Hopper variant", variant, tuple(SM90_VARIANT_CONFIGS))
-        config = SM90_VARIANT_CONFIGS[variant or "sm90_tile128"]
+        config = SM90_VARIANT_CONFIGS[variant] if variant else choose_sm90_config((), _SM90_COMPILE_SMS)
     else:
         if variant is not None:
             _check_choice("kernel variant", variant, KERNEL_VARIANTS)
