@@ -568,19 +568,11 @@ def plan_sm90_work(problem_sizes: tuple, num_sms: int) -> Sm90WorkPlan:
     return Sm90WorkPlan(widths, tuple(tuple(tiles) for tiles in per_cta), makespan)
 
 
-_sm90_work_lists: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-
-
-def sm90_work_list(plan: Sm90WorkPlan, device: torch.device) -> torch.Tensor:
-    """The plan's words as a device int32 tensor, made once per plan and device (an ordinary copy, which
-    waits for the device: only the first call of a new problem shape pays it) and kept (at most 64)."""
-    key = (plan, device)
-    words = _sm90_work_lists.get(key)
-    if words is None:
-        words = _sm90_work_lists[key] = torch.tensor(plan.words(), dtype=torch.int32, device=device)
-        if len(_sm90_work_lists) > 64:
-            _sm90_work_lists.popitem(last=False)
-    return words
+@functools.lru_cache(maxsize=64)
+def sm90_work_list(problem_sizes: tuple, num_sms: int, device: torch.device) -> torch.Tensor:
+    """`plan_sm90_work`'s words as a device int32 tensor, made once per problem shape and device (an
+    ordinary copy, which waits for the device: only the first call of a new problem shape pays it)."""
+    return torch.tensor(plan_sm90_work(problem_sizes, num_sms).words(), dtype=torch.int32, device=device)
 
 
 # How custom_kernel picks its Hopper kernel: "sm90_auto" per problem (choose_sm90_config), or one entry of
@@ -2582,7 +2574,8 @@ class Sm90BlockScaledGroupedGemmKernel:
     (m); 2 -> tile 256 x 128 (each fp16 A buffer feeds twice the MMA work: ~25 % less time per MAC on the
     H200, but half as many tiles). Registers (setmaxnreg): producer 24, transform 64, consumers 208 (prepass:
     24, 24, 232).
-    Shared memory: stages (4 x 18 KB | 3 x 27 KB) + 3 x 32 KB fp16 A + 2 x 16 KB epilogue, ~205 / 214 KB.
+    Shared memory: stages (4 x 18 KB | 3 x 27 KB; prepass 4 x 9 KB | 3 x 18 KB) + 3 fp16 A buffers of tile_m x 128 k
+    (32 KB; m_exact 48 KB) + 2 x 16 KB epilogue: ~205 / 214 KB, m_exact 213 KB.
     Named barriers: EPILOGUE_BARRIER + consumer index (128 threads each).
 
     config.a16_prepass: A arrives as fp16, converted once per call by `Sm90AConvertKernel` into the
@@ -2792,12 +2785,10 @@ class Sm90BlockScaledGroupedGemmKernel:
     def tile_range(self, work: cute.Tensor, total_tiles, bid, grid):
         """[begin, end) of this CTA's tile positions: its slice of the work list (m_exact), else the count
         of tiles bid, bid + grid, ... below total_tiles."""
-        begin, end = cutlass.Int32(0), (total_tiles - bid + grid - 1) // grid
         if cutlass.const_expr(self.m_exact):
             base = work.iterator.toint()
-            begin = cutlass.Int32(ld_global_u32(base + 4 * bid))
-            end = cutlass.Int32(ld_global_u32(base + 4 * (bid + 1)))
-        return begin, end
+            return cutlass.Int32(ld_global_u32(base + 4 * bid)), cutlass.Int32(ld_global_u32(base + 4 * (bid + 1)))
+        return cutlass.Int32(0), (total_tiles - bid + grid - 1) // grid
 
     @cute.jit
     def tile_at(self, i, work: cute.Tensor, scheduler, walk, bid, grid):
@@ -3481,15 +3472,15 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
     num_tiles = num_output_tiles(data[3], config.tile_mn)
     work_list = None
     if isinstance(config, Sm90GemmConfig):
-        num_ctas = min(num_tiles, _device_sm_count(device.index))
-        work_address = 0
         if config.m_exact:
-            plan = plan_sm90_work(tuple(map(tuple, data[3])), _device_sm_count(device.index))
+            sizes, num_sms = tuple(map(tuple, data[3])), _device_sm_count(device.index)
+            plan = plan_sm90_work(sizes, num_sms)
             num_tiles, num_ctas = plan.num_tiles, len(plan.cta_tiles)
-            work_list = sm90_work_list(plan, device)
-            work_address = work_list.data_ptr()
+            work_list = sm90_work_list(sizes, num_sms, device)
+        else:
+            num_ctas = min(num_tiles, _device_sm_count(device.index))
         workspace_bytes = Sm90BlockScaledGroupedGemmKernel.workspace_bytes(config, data[3])
-        counts = (work_address, num_tiles, num_ctas)
+        counts = (0 if work_list is None else work_list.data_ptr(), num_tiles, num_ctas)
     elif isinstance(config, Sm100PersistentConfig):
         num_ctas = min(num_tiles, _device_sm_count(device.index))
         workspace_bytes = Sm100PersistentGroupedGemmKernel.tensormap_workspace_bytes(config, len(data[3]), num_ctas)
