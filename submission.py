@@ -44,9 +44,10 @@ writes every group's A as fp16 into the launch's workspace, once per call; then 
 walks a host-planned work list (`plan_sm90_work`: each group's M split into tiles 64-192 rows wide, dealt
 longest first to the least-loaded CTA): a producer warp TMA-loads fp16 A, the packed fp4 B and its blocked
 scales, two consumer warpgroups dequantize B in registers as the wgmma A operand, run the mainloop compiled
-for the tile's width, and store C^T tiles by TMA. The other variants (`SM90_VARIANT_CONFIGS`) use 128-row
-tiles on the round-robin `GroupTileScheduler`, and those without the prepass convert A in a transform
-warpgroup of every CTA. Both arches share the host path: constraint check, pointer/size tables, launch
+for the tile's width, and store C^T tiles by TMA. Barriers and copies are the DSL's pipeline classes and TMA
+atoms, as on Blackwell; inline PTX is left for the operand conversions and hand-addressed shared memory.
+The other variants (`SM90_VARIANT_CONFIGS`) use 128-row tiles on the round-robin `GroupTileScheduler`, and
+those without the prepass convert A in a transform warpgroup of every CTA. Both arches share the host path: constraint check, pointer/size tables, launch
 metadata cache, compile cache, the prepared-call fast path and the launch paths (`LAUNCH_PATH`: the DSL's
 TVM-FFI entry where apache-tvm-ffi imports, else its ctypes entry with arguments packed once).
 docs/HOPPER_NOTES.md has the design and log.
@@ -2287,7 +2288,8 @@ class GroupTensormapKernel:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Hopper device helpers: inline PTX (explicit so the same code builds on DSL 4.3.5 and 4.8.1)
+# Hopper device helpers: pipeline states, and inline PTX for the operand conversions and shared-memory
+# accesses (the data path; barriers and TMA use the DSL's pipeline classes and copy atoms)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -2308,102 +2310,40 @@ def _i64(x, loc, ip):
     return cutlass.Int64(x).ir_value(loc=loc, ip=ip)
 
 
-@dsl_user_op
-def mbar_init(addr, count: int, *, loc=None, ip=None):
-    _asm(None, [_i32(addr, loc, ip)], f"mbarrier.init.shared::cta.b64 [$0], {count};", "r,~{memory}",
-         True, loc, ip)
+def ring_state(n, stages: int, producer: bool = False):
+    """The pipeline state of the n-th use of a ring of `stages` buffers, computed rather than carried (every
+    role counts the chunks it has passed): buffer n % stages, phase (n / stages) % 2, the producer's flipped
+    (its first pass finds every buffer empty)."""
+    phase = (n // stages) % 2
+    return pipeline.PipelineState(stages, n, n % stages, phase ^ 1 if producer else phase)
 
 
-@dsl_user_op
-def fence_mbar_init(*, loc=None, ip=None):
-    _asm(None, [], "fence.mbarrier_init.release.cluster;", "~{memory}", True, loc, ip)
+def with_tx_count(pipe, tx_count: int):
+    """The TMA pipeline `pipe` expecting `tx_count` bytes per stage instead of its own, on the same barriers
+    (the Hopper M-exact kernel's fp16 A ring: a tile of each width loads its own byte count)."""
+    full = pipe.sync_object_full.recast_to_new_op_type(pipe.sync_object_full.op_type)
+    full.tx_count = tx_count
+    return dataclasses.replace(pipe, sync_object_full=full)
 
 
-@dsl_user_op
-def mbar_arrive(addr, *, loc=None, ip=None):
-    _asm(None, [_i32(addr, loc, ip)], "mbarrier.arrive.shared::cta.b64 _, [$0];", "r,~{memory}",
-         True, loc, ip)
+def byte_tensor(address, num_bytes: int, gmem: bool = False):
+    """`num_bytes` bytes at `address` (shared memory, or global memory with gmem=True) as a tensor, for a
+    bulk copy (16-byte aligned)."""
+    space = cute.AddressSpace.gmem if gmem else cute.AddressSpace.smem
+    return cute.make_tensor(cute.make_ptr(cutlass.Uint8, address, space, assumed_align=16),
+                            cute.make_layout((num_bytes,)))
 
 
-@dsl_user_op
-def mbar_arrive_if(addr, pred, *, loc=None, ip=None):
-    """Arrive where pred != 0, without a branch (keeps the wgmma pipeline free of control flow)."""
-    _asm(None, [_i32(addr, loc, ip), _i32(pred, loc, ip)],
-         "{\n.reg .pred p;\nsetp.ne.b32 p, $1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [$0];\n}",
-         "r,r,~{memory}", True, loc, ip)
+@dataclasses.dataclass(frozen=True)
+class Sm90SharedAddresses:
+    """Shared-memory base addresses of the Hopper kernel's buffers, for the hand-addressed loads and stores
+    (the operand conversions read B, A and the scales; the epilogue writes the C^T slabs)."""
 
-
-@dsl_user_op
-def mbar_arrive_expect_tx(addr, tx_bytes: int, pred, *, loc=None, ip=None):
-    _asm(None, [_i32(addr, loc, ip), _i32(pred, loc, ip)],
-         "{\n.reg .pred p;\nsetp.ne.b32 p, $1, 0;\n"
-         f"@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {tx_bytes};\n}}",
-         "r,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def mbar_wait(addr, parity, *, loc=None, ip=None):
-    _asm(None, [_i32(addr, loc, ip), _i32(parity, loc, ip)],
-         "{\n.reg .pred p;\nLAB_WAIT:\n"
-         "mbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1;\n"
-         "@p bra DONE;\nbra LAB_WAIT;\nDONE:\n}",
-         "r,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def tma_load_2d(smem_dst, desc_addr, c0, c1, mbar, pred, *, loc=None, ip=None):
-    """One TMA tile load (box from the descriptor) completing on `mbar`; issued where pred != 0."""
-    _asm(None, [_i32(smem_dst, loc, ip), _i64(desc_addr, loc, ip), _i32(c0, loc, ip), _i32(c1, loc, ip),
-                _i32(mbar, loc, ip), _i32(pred, loc, ip)],
-         "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
-         "@p cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-         " [$0], [$1, {$2, $3}], [$4];\n}",
-         "r,l,r,r,r,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def bulk_load(smem_dst, gmem_src, num_bytes: int, mbar, pred, *, loc=None, ip=None):
-    """Non-tensor bulk copy global -> shared completing on `mbar`; issued where pred != 0."""
-    _asm(None, [_i32(smem_dst, loc, ip), _i64(gmem_src, loc, ip), _i32(mbar, loc, ip), _i32(pred, loc, ip)],
-         "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n"
-         f"@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], {num_bytes}, [$2];\n}}",
-         "r,l,r,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def tma_store_2d(desc_addr, c0, c1, smem_src, pred, *, loc=None, ip=None):
-    """One TMA tile store (box from the descriptor) in the current bulk group; issued where pred != 0."""
-    _asm(None, [_i64(desc_addr, loc, ip), _i32(c0, loc, ip), _i32(c1, loc, ip), _i32(smem_src, loc, ip),
-                _i32(pred, loc, ip)],
-         "{\n.reg .pred p;\nsetp.ne.b32 p, $4, 0;\n"
-         "@p cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [$0, {$1, $2}], [$3];\n}",
-         "l,r,r,r,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def bulk_commit(*, loc=None, ip=None):
-    _asm(None, [], "cp.async.bulk.commit_group;", "~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def bulk_wait_read_all(*, loc=None, ip=None):
-    _asm(None, [], "cp.async.bulk.wait_group.read 0;", "~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def bulk_wait_all(*, loc=None, ip=None):
-    _asm(None, [], "cp.async.bulk.wait_group 0;", "~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def fence_async_smem(*, loc=None, ip=None):
-    """Orders this thread's ordinary shared-memory stores before later async-proxy reads (wgmma, TMA)."""
-    _asm(None, [], "fence.proxy.async.shared::cta;", "~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def named_barrier(barrier_id, num_threads: int, *, loc=None, ip=None):
-    _asm(None, [_i32(barrier_id, loc, ip)], f"bar.sync $0, {num_threads};", "r,~{memory}", True, loc, ip)
+    b: object
+    a: object
+    sf: object
+    a16: object
+    c: object
 
 
 @dsl_user_op
@@ -2577,6 +2517,12 @@ class Sm90BlockScaledGroupedGemmKernel:
     Shared memory: stages (4 x 18 KB | 3 x 27 KB; prepass 4 x 9 KB | 3 x 18 KB) + 3 fp16 A buffers of tile_m x 128 k
     (32 KB; m_exact 48 KB) + 2 x 16 KB epilogue: ~205 / 214 KB, m_exact 213 KB.
     Named barriers: EPILOGUE_BARRIER + consumer index (128 threads each).
+    Pipelines (the DSL's classes, as the Blackwell kernels use): the stage ring is a `PipelineTmaAsync`
+    (producer TMA and bulk copies -> consumer warps, and the transform warps that read A from it); the fp16 A
+    ring a `PipelineTmaAsync` with the prepass (its byte count per tile width, `with_tx_count`), else a
+    `PipelineAsync` (transform threads -> consumer threads); each consumer warpgroup's C^T stores a
+    `PipelineTmaStore`. Chunk counters give every pipeline state (`ring_state`). Loads and stores are TMA
+    copy atoms on the prepared descriptors; the scale slices bulk copies.
 
     config.a16_prepass: A arrives as fp16, converted once per call by `Sm90AConvertKernel` into the
     workspace after the descriptor rows (`a16_offset`); the producer TMA-loads it straight into the fp16
@@ -2609,13 +2555,13 @@ class Sm90BlockScaledGroupedGemmKernel:
         # TMA boxes of the fp16 A loads and of the C^T stores, in rows of A: a width is a whole number of them
         self.box_rows = 32 if self.m_exact else 128
         self.b_bytes = self.tile_n * 64
-        # Stage: [A fp4 | B fp4 | SFA | SFB x bpw]; with the prepass A and SFA are not loaded.
+        # A stage: B fp4 (sB), A fp4 (sA), scale slices [SFA | SFB x bpw] (sSF); with the prepass A and SFA are
+        # not loaded.
         self.a_stage_bytes = 0 if self.prepass else self.A_BYTES
-        self.sfa_stage_bytes = 0 if self.prepass else self.SF_BYTES
-        self.b_in_stage = self.a_stage_bytes
-        self.sfa_in_stage = self.a_stage_bytes + self.b_bytes
-        self.sfb_in_stage = self.sfa_in_stage + self.sfa_stage_bytes
-        self.stage_bytes = self.sfb_in_stage + self.SF_BYTES * blocks_per_wg
+        self.sfa_in_stage = 0
+        self.sfb_in_stage = 0 if self.prepass else self.SF_BYTES
+        self.sf_stage_bytes = self.sfb_in_stage + self.SF_BYTES * blocks_per_wg
+        self.stage_bytes = self.b_bytes + self.a_stage_bytes + self.sf_stage_bytes  # the TMA bytes of a stage
         self.threads = 512
         self.producer_regs = 24
         # With the prepass the transform warpgroup is idle and gives its registers to the consumers:
@@ -2641,33 +2587,47 @@ class Sm90BlockScaledGroupedGemmKernel:
         a16 = sum(m * k * 2 for m, _, k, _ in problem_sizes) if config.a16_prepass else 0
         return Sm90BlockScaledGroupedGemmKernel.a16_offset(len(problem_sizes)) + a16
 
-    def descriptor_atoms(self) -> tuple:
-        """TMA atoms on placeholder tensors, in `descriptor_slots` order (host side of a jit function); each
-        group's descriptors get its real addresses and sizes (`group_descriptor_tensors`)."""
+    def smem_box_layouts(self) -> tuple:
+        """Shared-memory layout of one TMA box per descriptor slot (A, B, C^T): what the atoms are built for
+        and what the kernel's shared-memory views are tiled from. A: fp16 box_rows x 64 k (128-byte swizzle)
+        with the prepass, else fp4 128 rows x 128 k (64 bytes, 64-byte swizzle); B: fp4 tile_n rows x 128 k;
+        C^T: 64 n x box_rows m, n contiguous."""
         fp4_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, cutlass.Uint8)
-        null_u8 = cute.make_ptr(cutlass.Uint8, 0, cute.AddressSpace.gmem, assumed_align=16)
-        template_ab = cute.make_tensor(null_u8, cute.make_layout((512, 128), stride=(128, 1)))
         if cutlass.const_expr(self.prepass):
-            # fp16 A, one box = box_rows rows x 64 k (128 B, the SW128 row).
-            null_a16 = cute.make_ptr(cutlass.Float16, 0, cute.AddressSpace.gmem, assumed_align=16)
-            template_a16 = cute.make_tensor(null_a16, cute.make_layout((512, 256), stride=(256, 1)))
             a16_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float16)
-            tma_a, _ = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), template_a16,
-                cute.tile_to_shape(a16_atom, (self.box_rows, 64), order=(0, 1)), (self.box_rows, 64))
+            a_box = cute.tile_to_shape(a16_atom, (self.box_rows, 64), order=(0, 1))
         else:
-            tma_a, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), template_ab,
-                                                   cute.tile_to_shape(fp4_atom, (128, 64), order=(0, 1)), (128, 64))
-        tma_b, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), template_ab,
-                                               cute.tile_to_shape(fp4_atom, (self.tile_n, 64), order=(0, 1)),
-                                               (self.tile_n, 64))
-        # C^T view: (N, M) with n contiguous; one box = 64 n x box_rows m.
-        c_smem_layout = cute.make_layout((64, self.box_rows), stride=(1, 64))
-        null_f16 = cute.make_ptr(cutlass.Float16, 0, cute.AddressSpace.gmem, assumed_align=16)
-        template_c = cute.make_tensor(null_f16, cute.make_layout((256, 256), stride=(1, 256)))
-        tma_c, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), template_c,
-                                               c_smem_layout, (64, self.box_rows))
-        return tma_a, tma_b, tma_c
+            a_box = cute.tile_to_shape(fp4_atom, (128, 64), order=(0, 1))
+        b_box = cute.tile_to_shape(fp4_atom, (self.tile_n, 64), order=(0, 1))
+        c_box = cute.make_layout((64, self.box_rows), stride=(1, 64))
+        return a_box, b_box, c_box
+
+    def tma_setup(self) -> tuple:
+        """The TMA atoms and their coordinate tensors, in `descriptor_slots` order (host side of both jit
+        functions that use them: this GEMM's and `GroupTensormapKernel`'s). Runtime placeholder extents keep
+        the coordinate tensors open; each group's descriptors get its real addresses and sizes
+        (`group_descriptor_tensors`)."""
+        placeholder = cutlass.Int32(128)
+        a_box, b_box, c_box = self.smem_box_layouts()
+
+        def null_tensor(dtype, stride):
+            ptr = cute.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
+            return cute.make_tensor(ptr, cute.make_layout((placeholder, placeholder), stride=stride))
+
+        a_dtype = cutlass.Float16 if cutlass.const_expr(self.prepass) else cutlass.Uint8
+        a_rows = self.box_rows if cutlass.const_expr(self.prepass) else 128
+        load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        tma_a, g_a = cpasync.make_tiled_tma_atom(load, null_tensor(a_dtype, (placeholder, 1)), a_box, (a_rows, 64))
+        tma_b, g_b = cpasync.make_tiled_tma_atom(load, null_tensor(cutlass.Uint8, (placeholder, 1)), b_box,
+                                                 (self.tile_n, 64))
+        # C^T view: (N, M), n contiguous
+        tma_c, g_c = cpasync.make_tiled_tma_atom(store, null_tensor(cutlass.Float16, (1, placeholder)), c_box,
+                                                 (64, self.box_rows))
+        return (tma_a, tma_b, tma_c), (g_a, g_b, g_c)
+
+    def descriptor_atoms(self) -> tuple:
+        """The TMA atoms of the descriptors, in `descriptor_slots` order (host side of a jit function)."""
+        return self.tma_setup()[0]
 
     def group_descriptor_tensors(self, ptrs: cute.Tensor, sizes: cute.Tensor, group,
                                  tensormaps: cute.Tensor) -> tuple:
@@ -2707,25 +2667,29 @@ class Sm90BlockScaledGroupedGemmKernel:
         ptrs, sizes = group_tables(ptrs_ptr, sizes_ptr, G)
         tensormaps = descriptor_table(workspace_ptr, G, len(self.descriptor_slots))
         work = cute.make_tensor(work_ptr, cute.make_layout((1,)))  # m_exact: the plan's words (address only)
+        atoms, coords = self.tma_setup()
 
         @cute.struct
         class SharedStorage:
-            full_bar: cute.struct.MemRange[cutlass.Int64, self.num_stages]
-            empty_bar: cute.struct.MemRange[cutlass.Int64, self.num_stages]
-            a16_full_bar: cute.struct.MemRange[cutlass.Int64, self.NUM_A16]
-            a16_empty_bar: cute.struct.MemRange[cutlass.Int64, self.NUM_A16]
-            stages: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.num_stages * self.stage_bytes], 1024]
+            # [full x num_stages | empty x num_stages] of the stage ring and of the fp16 A ring; the A ring has
+            # one spare empty barrier after them (see `consume_chunk`)
+            stage_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            a16_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.NUM_A16 + 1]
+            sB: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.num_stages * self.b_bytes], 1024]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, max(self.num_stages * self.a_stage_bytes, 16)], 1024]
+            sSF: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.num_stages * self.sf_stage_bytes], 128]
             a16: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.NUM_A16 * self.a16_bytes // 2], 1024]
-            c_stage: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * self.C_BYTES], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, 2 * self.C_BYTES // 2], 1024]
 
         self.shared_storage = SharedStorage
 
-        self.kernel(ptrs, sizes, tensormaps, work, total_tiles).launch(
+        self.kernel(ptrs, sizes, tensormaps, work, total_tiles, atoms, coords).launch(
             grid=(grid_x, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, use_pdl=self.config.use_pdl)
 
     @cute.kernel
     def kernel(self, ptrs: cute.Tensor, sizes: cute.Tensor, tensormaps: cute.Tensor, work: cute.Tensor,
-               total_tiles: cutlass.Int32):
+               total_tiles: cutlass.Int32, atoms: tuple, coords: tuple):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -2736,47 +2700,90 @@ class Sm90BlockScaledGroupedGemmKernel:
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        full_bar = storage.full_bar.data_ptr().toint()
-        empty_bar = storage.empty_bar.data_ptr().toint()
-        a16_full = storage.a16_full_bar.data_ptr().toint()
-        a16_empty = storage.a16_empty_bar.data_ptr().toint()
-        stages = storage.stages.data_ptr().toint()
-        a16_base = storage.a16.data_ptr().toint()
-        c_base = storage.c_stage.data_ptr().toint()
+
+        # ---- pipelines: stage ring (producer TMA -> consumers, and the transform warpgroup without the
+        # prepass) and fp16 A ring (producer TMA with the prepass, else the transform warpgroup -> consumers)
+        consumer_warps = 8 if cutlass.const_expr(self.prepass) else 12
+        stage_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.stage_bars.data_ptr(), num_stages=self.num_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+            tx_count=self.stage_bytes, defer_sync=True)
+        # A-ring releases per buffer: one per consumer warp (TMA pipeline) or per consumer thread (PipelineAsync)
+        a16_releases = 8 if cutlass.const_expr(self.prepass) else 256
+        if cutlass.const_expr(self.prepass):
+            a16_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.a16_bars.data_ptr(), num_stages=self.NUM_A16,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, a16_releases),
+                tx_count=self.a16_bytes, defer_sync=True)
+        else:
+            a16_pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.a16_bars.data_ptr(), num_stages=self.NUM_A16,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, a16_releases), defer_sync=True)
+        spare = storage.a16_bars.data_ptr() + 2 * self.NUM_A16  # the A ring's spare barrier (`consume_chunk`)
+        if warp == 0:
+            # NOTES: the same arrival count as the ring's empty barriers, so that a release completes exactly one
+            # phase: a warp's 32 arrivals merge into one arrive of count 32, and an arrive larger than the pending
+            # count is undefined (measured: a launch failure with count 1 in the PipelineAsync ring).
+            cute.arch.mbarrier_init(spare, a16_releases)
+        # One CTA-wide sync makes every barrier initialisation visible before any role uses it.
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+        if cutlass.const_expr(self.config.use_pdl):
+            cute.arch.griddepcontrol_wait()
+
+        # ---- shared-memory views and their TMA partitions ----------------------------------------------
+        tma_a, tma_b, tma_c = atoms
+        g_a, g_b, g_c = coords
+        a_box, b_box, c_box = self.smem_box_layouts()
+        # (box, stage)
+        sB = storage.sB.get_tensor(cute.make_layout((b_box.outer.shape, self.num_stages),
+                                                    stride=(b_box.outer.stride, self.b_bytes)), swizzle=b_box.inner)
+        gB = cute.group_modes(cute.local_tile(g_b, (self.tile_n, 64), (None, None)), 0, 2)  # (box, RestN, RestK)
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), sB, gB)
+        if cutlass.const_expr(self.prepass):
+            # (box, box within a half, half, buffer): the fp16 A buffers as box_rows-row boxes
+            sA = storage.a16.get_tensor(cute.make_layout(
+                (a_box.outer.shape, self.tile_m // self.box_rows, 2, self.NUM_A16),
+                stride=(a_box.outer.stride, self.box_rows * 64, self.tile_m * 64, self.tile_m * self.k_chunk)),
+                swizzle=a_box.inner)
+            a_tile = (self.box_rows, 64)
+        else:
+            # (box, stage): A fp4 of a stage
+            sA = storage.sA.get_tensor(cute.make_layout((a_box.outer.shape, self.num_stages),
+                                                        stride=(a_box.outer.stride, self.A_BYTES)), swizzle=a_box.inner)
+            a_tile = (128, 64)
+        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), sA,
+                                           cute.group_modes(cute.local_tile(g_a, a_tile, (None, None)), 0, 2))
+        # (box, box within a slab, consumer warpgroup): the epilogue slabs as box_rows-row boxes of C^T
+        sC = storage.sC.get_tensor(cute.make_layout((c_box.shape, 128 // self.box_rows, 2),
+                                                    stride=(c_box.stride, self.box_rows * 64, self.C_BYTES // 2)))
+        gC = cute.group_modes(cute.local_tile(g_c, (64, self.box_rows), (None, None)), 0, 2)  # (box, RestN, RestM)
+        tCsC, tCgC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), sC, gC)
         swizzle = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float16).inner
         # per width: the fp16 A buffers as the wgmma B operand
         sA16 = [storage.a16.get_tensor(self.a16_outer(w, self.NUM_A16), swizzle=swizzle) for w in self.widths]
-
-        if tidx == 0:
-            for s in cutlass.range_constexpr(self.num_stages):
-                mbar_init(full_bar + 8 * s, 1)
-                # every consumer thread, and every transform thread where it reads A from the stage
-                mbar_init(empty_bar + 8 * s, (2 if self.prepass else 3) * 128)
-            for b in cutlass.range_constexpr(self.NUM_A16):
-                # prepass: the producer's expect-tx (the TMA bytes complete it); else every transform thread
-                mbar_init(a16_full + 8 * b, 1 if self.prepass else 128)
-                mbar_init(a16_empty + 8 * b, 2 * 128)  # every consumer thread
-            fence_mbar_init()
-        cute.arch.sync_threads()
-        if cutlass.const_expr(self.config.use_pdl):
-            cute.arch.griddepcontrol_wait()
+        smem = Sm90SharedAddresses(storage.sB.data_ptr().toint(), storage.sA.data_ptr().toint(),
+                                   storage.sSF.data_ptr().toint(), storage.a16.data_ptr().toint(),
+                                   storage.sC.data_ptr().toint())
 
         descriptors = TmaDescriptorRows(True, tensormaps, bid)
 
         if warp < 4:
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
             if warp == 0:
-                self.producer(ptrs, sizes, work, descriptors, total_tiles, bid, grid, full_bar, empty_bar, stages,
-                              a16_base, a16_full, a16_empty)
+                self.producer(ptrs, sizes, work, descriptors, total_tiles, bid, grid, stage_pipe, a16_pipe,
+                              (tma_a, tma_b), (tAgA, tBgB), (tAsA, tBsB), smem)
         elif warp < 8:
             cute.arch.warpgroup_reg_dealloc(self.transform_regs)
             if cutlass.const_expr(not self.prepass):
-                self.transform(sizes, work, total_tiles, bid, grid, tidx, full_bar, empty_bar, stages, a16_base,
-                               a16_full, a16_empty)
+                self.transform(sizes, work, total_tiles, bid, grid, tidx, stage_pipe, a16_pipe, smem)
         else:
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
-            self.consumer(sA16, ptrs, sizes, work, descriptors, total_tiles, bid, grid, tidx, warp,
-                          full_bar, empty_bar, stages, a16_full, a16_empty, c_base)
+            self.consumer(sA16, ptrs, sizes, work, descriptors, total_tiles, bid, grid, tidx, warp, stage_pipe,
+                          a16_pipe, tma_c, tCsC, tCgC, smem)
 
     # -----------------------------------------------------------------------------------------------
     # Tile sequence of a CTA (every role walks it on its own)
@@ -2813,12 +2820,12 @@ class Sm90BlockScaledGroupedGemmKernel:
     # Producer warp
     # -----------------------------------------------------------------------------------------------
     @cute.jit
-    def producer(self, ptrs, sizes, work, descriptors, total_tiles, bid, grid, full_bar, empty_bar, stages,
-                 a16_base, a16_full, a16_empty):
-        lane = cute.arch.lane_idx()
-        leader = cutlass.Int32(0)
-        if lane == 0:
-            leader = cutlass.Int32(1)
+    def producer(self, ptrs, sizes, work, descriptors, total_tiles, bid, grid, stage_pipe, a16_pipe, atoms,
+                 gmem_parts, smem_parts, smem):
+        # One bulk copy (not a tensor copy) per 1 KB scale slice.
+        sf_atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), cutlass.Uint8, num_bits_per_copy=self.SF_BYTES * 8)
+        # the fp16 A ring expects a tile's own bytes: width rows x 128 k
+        a16_pipes = [with_tx_count(a16_pipe, width * self.k_chunk * 2) for width in self.widths]
         chunk = cutlass.Int32(0)
         last_g = cutlass.Int32(-1)
         scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
@@ -2836,56 +2843,60 @@ class Sm90BlockScaledGroupedGemmKernel:
                 last_g = g
             for w in cutlass.range_constexpr(len(self.widths)):
                 if width_idx == w:
-                    self.produce_tile(self.widths[w], chunk, ptrs, descriptors, g, m0, n_tile, k_size, leader,
-                                      full_bar, empty_bar, stages, a16_base, a16_full, a16_empty)
+                    self.produce_tile(self.widths[w], chunk, ptrs, descriptors, g, m0, n_tile, k_size, stage_pipe,
+                                      a16_pipes[w], atoms, gmem_parts, smem_parts, sf_atom, smem)
             chunk = chunk + k_size // self.k_chunk
 
     @cute.jit
-    def produce_tile(self, width: int, chunk, ptrs, descriptors, g, m0, n_tile, k_size, leader, full_bar,
-                     empty_bar, stages, a16_base, a16_full, a16_empty):
+    def produce_tile(self, width: int, chunk, ptrs, descriptors, g, m0, n_tile, k_size, stage_pipe, a16_pipe,
+                     atoms, gmem_parts, smem_parts, sf_atom, smem):
         """The loads of one tile of `width` rows of A: per 128-k chunk a stage (B, its scales; A fp4 and its
         scales without the prepass) and, with the prepass, the chunk's fp16 A into buffer chunk % NUM_A16."""
-        desc_a = descriptors.address(g, Sm90TensorMapSlot.A)
-        desc_b = descriptors.address(g, Sm90TensorMapSlot.B)
+        tma_a, tma_b = atoms
+        tAgA, tBgB = gmem_parts
+        tAsA, tBsB = smem_parts
+        desc_a, desc_b = descriptors.for_tma(g, (Sm90TensorMapSlot.A, Sm90TensorMapSlot.B))
+        lane = cute.arch.lane_idx()
         sfa = ptrs[g, int(PtrColumn.SFA)]
         sfb = ptrs[g, int(PtrColumn.SFB)]
         rest_k = k_size // 64
         sfa_row = cutlass.Int64((m0 // 128) * rest_k) * 512
         for c in range(k_size // self.k_chunk):
-            s = (chunk + c) % self.num_stages
-            phase = ((chunk + c) // self.num_stages) % 2
-            mbar_wait(empty_bar + 8 * s, phase ^ 1)
-            full = full_bar + 8 * s
-            stage = stages + s * self.stage_bytes
-            mbar_arrive_expect_tx(full, self.stage_bytes, leader)
+            state = ring_state(chunk + c, self.num_stages, producer=True)
+            stage_pipe.producer_acquire(state)  # waits for the stage, then expects its bytes
+            full = stage_pipe.producer_get_barrier(state)
             if cutlass.const_expr(not self.prepass):
-                tma_load_2d(stage, desc_a, c * 64, m0, full, leader)
-            tma_load_2d(stage + self.b_in_stage, desc_b, c * 64, n_tile * self.tile_n, full, leader)
-            sf_off = cutlass.Int64(c) * 1024
-            if cutlass.const_expr(not self.prepass):
-                bulk_load(stage + self.sfa_in_stage, sfa + sfa_row + sf_off, self.SF_BYTES, full, leader)
-            for nb in cutlass.range_constexpr(self.bpw):
-                sfb_row = cutlass.Int64((n_tile * self.bpw + nb) * rest_k) * 512
-                bulk_load(stage + self.sfb_in_stage + nb * self.SF_BYTES, sfb + sfb_row + sf_off,
-                          self.SF_BYTES, full, leader)
+                cute.copy(tma_a, tAgA[(None, m0 // 128, c)], tAsA[(None, state.index)], tma_bar_ptr=full,
+                          tma_desc_ptr=desc_a)
+            cute.copy(tma_b, tBgB[(None, n_tile, c)], tBsB[(None, state.index)], tma_bar_ptr=full,
+                      tma_desc_ptr=desc_b)
+            if lane == 0:  # bulk copies are not elected by the DSL
+                sf_off = cutlass.Int64(c) * 1024
+                sf_stage = smem.sf + state.index * self.sf_stage_bytes
+                if cutlass.const_expr(not self.prepass):
+                    cute.copy(sf_atom, byte_tensor(sfa + sfa_row + sf_off, self.SF_BYTES, gmem=True),
+                              byte_tensor(sf_stage + self.sfa_in_stage, self.SF_BYTES), mbar_ptr=full)
+                for nb in cutlass.range_constexpr(self.bpw):
+                    sfb_row = cutlass.Int64((n_tile * self.bpw + nb) * rest_k) * 512
+                    cute.copy(sf_atom, byte_tensor(sfb + sfb_row + sf_off, self.SF_BYTES, gmem=True),
+                              byte_tensor(sf_stage + self.sfb_in_stage + nb * self.SF_BYTES, self.SF_BYTES),
+                              mbar_ptr=full)
             if cutlass.const_expr(self.prepass):
                 # fp16 A of this chunk: box_rows-row boxes of each 64-k half into fp16 A buffer `b`, once the
                 # consumers have retired the wgmmas that read its previous contents.
-                b = (chunk + c) % self.NUM_A16
-                mbar_wait(a16_empty + 8 * b, (((chunk + c) // self.NUM_A16) % 2) ^ 1)
-                a16_bar = a16_full + 8 * b
-                mbar_arrive_expect_tx(a16_bar, width * self.k_chunk * 2, leader)
+                a16_state = ring_state(chunk + c, self.NUM_A16, producer=True)
+                a16_pipe.producer_acquire(a16_state)
+                a16_full = a16_pipe.producer_get_barrier(a16_state)
                 for h in cutlass.range_constexpr(2):
                     for j in cutlass.range_constexpr(width // self.box_rows):
-                        dst = a16_base + b * self.a16_bytes + h * (self.a16_bytes // 2) + j * self.box_rows * 128
-                        tma_load_2d(dst, desc_a, c * self.k_chunk + h * 64, m0 + j * self.box_rows, a16_bar, leader)
+                        cute.copy(tma_a, tAgA[(None, m0 // self.box_rows + j, 2 * c + h)],
+                                  tAsA[(None, j, h, a16_state.index)], tma_bar_ptr=a16_full, tma_desc_ptr=desc_a)
 
     # -----------------------------------------------------------------------------------------------
     # Transform warpgroup: A fp4 (stage) -> fp16 buffer (the wgmma B operand), one row per thread
     # -----------------------------------------------------------------------------------------------
     @cute.jit
-    def transform(self, sizes, work, total_tiles, bid, grid, tidx, full_bar, empty_bar, stages, a16_base,
-                  a16_full, a16_empty):
+    def transform(self, sizes, work, total_tiles, bid, grid, tidx, stage_pipe, a16_pipe, smem):
         row = tidx % 128
         a_row_off = row * 64
         a_swz16 = ((row >> 1) & 3) * 16
@@ -2901,17 +2912,17 @@ class Sm90BlockScaledGroupedGemmKernel:
             g, _, _, _, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
             _, _, _, k_size = self.group_sizes(sizes, g)
             for _ in range(k_size // self.k_chunk):
-                s = chunk % self.num_stages
-                b = chunk % self.NUM_A16
-                mbar_wait(full_bar + 8 * s, (chunk // self.num_stages) % 2)
-                stage = stages + s * self.stage_bytes
+                state = ring_state(chunk, self.num_stages)
+                a16_state = ring_state(chunk, self.NUM_A16, producer=True)
+                stage_pipe.consumer_wait(state)
+                stage_a = smem.a + state.index * self.A_BYTES
                 # words[q'] = physical k 32 q' + [0, 32) of this row: word (q', t) covers 32 q' + 8 t + [0, 8)
-                words = [ld_shared_v4(stage + a_row_off + ((16 * qq) ^ a_swz16)) for qq in range(4)]
-                sf_a = stage + self.sfa_in_stage + sfa_off
+                words = [ld_shared_v4(stage_a + a_row_off + ((16 * qq) ^ a_swz16)) for qq in range(4)]
+                sf_a = smem.sf + state.index * self.sf_stage_bytes + self.sfa_in_stage + sfa_off
                 sf = [ld_shared_u32(sf_a + 512 * sub) for sub in range(2)]
-                mbar_arrive(empty_bar + 8 * s)
-                mbar_wait(a16_empty + 8 * b, ((chunk // self.NUM_A16) % 2) ^ 1)
-                a16 = a16_base + b * self.a16_bytes + a16_row
+                stage_pipe.consumer_release(state)
+                a16_pipe.producer_acquire(a16_state)
+                a16 = smem.a16 + a16_state.index * self.a16_bytes + a16_row
                 for t in cutlass.range_constexpr(4):
                     # scale block of word (q', t): 2 q' + t // 2 -> word q' // 2, byte 2 (q' % 2) + t // 2
                     conv = [fp4x8_to_f16x2x4(words[qq][t], scale_to_f16x2(
@@ -2920,16 +2931,17 @@ class Sm90BlockScaledGroupedGemmKernel:
                         s_log = 2 * t + i // 2  # logical k16 step; slot i % 2 selects k 8..15 of the step
                         addr = a16 + (s_log // 4) * (self.a16_bytes // 2) + ((((2 * s_log + i % 2) % 8) * 16) ^ a16_swz16)
                         st_shared_v4(addr, conv[0][i], conv[1][i], conv[2][i], conv[3][i])
-                fence_async_smem()
-                mbar_arrive(a16_full + 8 * b)
+                # the stores are visible to the wgmma (async proxy) before this thread's arrival
+                fence_smem_for_async_proxy()
+                a16_pipe.producer_commit(a16_state)
                 chunk = chunk + 1
 
     # -----------------------------------------------------------------------------------------------
     # Consumer warpgroups
     # -----------------------------------------------------------------------------------------------
     @cute.jit
-    def consumer(self, sA16, ptrs, sizes, work, descriptors, total_tiles, bid, grid, tidx, warp,
-                 full_bar, empty_bar, stages, a16_full, a16_empty, c_base):
+    def consumer(self, sA16, ptrs, sizes, work, descriptors, total_tiles, bid, grid, tidx, warp, stage_pipe,
+                 a16_pipe, tma_c, tCsC, tCgC, smem):
         # warp-uniform values stay in uniform registers (TMA operands must not need a predicated R2UR)
         wg = warp // 4 - 2
         w = warp % 4
@@ -2944,6 +2956,11 @@ class Sm90BlockScaledGroupedGemmKernel:
         # two buffers (even / odd quarter); the same shape for every width
         frag_shape = tiled_mmas[0].partition_shape_A((64, 32))
         frags = [[cute.make_rmem_tensor(frag_shape, cutlass.Float16) for _ in range(2)] for _ in range(self.bpw)]
+        # Warp 0 of each consumer warpgroup stores its slab (the DSL elects one thread for a TMA copy).
+        c_store = pipeline.PipelineTmaStore.create(
+            num_stages=1, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32))
+        # this warpgroup's epilogue barrier (a runtime id: a NamedBarrier object wants a compile-time one)
+        epilogue_barrier = self.EPILOGUE_BARRIER + wg
 
         # Per-thread constants, kept to a few registers: every other offset is base + compile-time constant.
         # B: rows r, r + 8 of each 64-row block (r + 8 and r + 64 keep the SW64 swizzle and the scale-slice
@@ -2963,28 +2980,26 @@ class Sm90BlockScaledGroupedGemmKernel:
             _, _, _, k_size = self.group_sizes(sizes, g)
             g = cute.arch.make_warp_uniform(g)
             if g != last_g:
-                if tid == 0:  # the thread that issues this warpgroup's TMA stores
+                if w == 0:  # the warp that issues this warpgroup's TMA stores
                     descriptors.acquire(g, (Sm90TensorMapSlot.C,))
                 last_g = g
             for wi in cutlass.range_constexpr(len(self.widths)):
                 if width_idx == wi:
                     self.consume_tile(self.widths[wi], tiled_mmas[wi], sA16[wi], frags, chunk, k_size,
-                                      descriptors.address(g, Sm90TensorMapSlot.C), m0, n_tile, wg, w, tid,
-                                      full_bar, empty_bar, stages, a16_full, a16_empty, c_base, b_off, sfb_off,
-                                      b_sel)
+                                      descriptors.for_tma(g, (Sm90TensorMapSlot.C,))[0], m0, n_tile, wg, w, tid,
+                                      stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store, epilogue_barrier, smem,
+                                      b_off, sfb_off, b_sel)
             chunk = chunk + k_size // self.k_chunk
-        if tid == 0:
-            bulk_wait_all()
+        if w == 0:
+            c_store.producer_tail()  # the stores have completed before the CTA retires
 
     @cute.jit
     def consume_tile(self, width: int, tiled_mma, sA16, frags, chunk, k_size, desc_c, m0, n_tile, wg, w, tid,
-                     full_bar, empty_bar, stages, a16_full, a16_empty, c_base, b_off, sfb_off, b_sel):
+                     stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store, epilogue_barrier, smem, b_off, sfb_off,
+                     b_sel):
         """One tile of `width` rows of A: the K loop into accumulators (64 n x width m per block), then the
         epilogue (fp16 slabs of at most 128 m x 64 n, TMA-stored as box_rows-row boxes of C^T)."""
         lane = tid % 32
-        leader = cutlass.Int32(0)
-        if tid == 0:
-            leader = cutlass.Int32(1)
         thr_mma = tiled_mma.get_slice(tid)
         # (MMA, MMA_N, MMA_K, A16 buffer)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sA16))
@@ -2999,52 +3014,56 @@ class Sm90BlockScaledGroupedGemmKernel:
             # NOTES: branch-free on purpose: a dynamic `if` between wgmma groups makes ptxas wait for every
             # wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the SASS): the MMAs serialize.
             first = cutlass.Int32(c == 0)
-            self.consume_chunk(chunk + c, first, frags, accs, tCrB, tiled_mma, full_bar, empty_bar, stages,
-                               a16_full, a16_empty, b_off, sfb_off, b_sel)
+            self.consume_chunk(chunk + c, first, frags, accs, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
+                               sfb_off, b_sel)
         warpgroup.wait_group(0)
-        mbar_arrive(a16_empty + 8 * ((chunk + num_chunks - 1) % self.NUM_A16))
+        a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.NUM_A16))
 
         # Epilogue: per block and per pass of at most 128 rows of A, acc -> fp16 slab [m][n] in shared
         # memory -> TMA stores of box_rows x 64 boxes.
-        c_slab = cute.arch.make_warp_uniform(c_base + wg * self.C_BYTES)
-        m0 = cute.arch.make_warp_uniform(m0)
+        c_slab = smem.c + wg * self.C_BYTES
         for blk in cutlass.range_constexpr(self.bpw):
-            n0 = cute.arch.make_warp_uniform(n_tile * self.tile_n + 64 * (self.bpw * wg + blk))
+            n0 = n_tile * self.tile_n + 64 * (self.bpw * wg + blk)
             for p in cutlass.range_constexpr((width + 127) // 128):
                 rows = min(128, width - 128 * p)
-                if tid == 0:
-                    bulk_wait_read_all()  # the previous store has read the slab (no-op when none is pending)
-                named_barrier(self.EPILOGUE_BARRIER + wg, 128)
+                if w == 0:
+                    c_store.producer_acquire()  # the previous store has read the slab (no-op when none is pending)
+                cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
                 acc = accs[blk]
                 # value v of the accumulator: n 16 w + lane / 4 + 8 ((v / 2) % 2), m 2 (lane % 4) + v % 2 + 8 (v / 4)
                 for v in cutlass.range_constexpr(64 * p, 64 * p + rows // 2):
                     n_local = 16 * w + lane // 4 + 8 * ((v // 2) % 2)
                     m_local = 2 * (lane % 4) + (v % 2) + 8 * (v // 4) - 128 * p
                     st_shared_f16_scaled(c_slab + (m_local * 64 + n_local) * 2, acc[v])
-                fence_async_smem()
-                named_barrier(self.EPILOGUE_BARRIER + wg, 128)
-                for j in cutlass.range_constexpr(rows // self.box_rows):
-                    tma_store_2d(desc_c, n0, m0 + 128 * p + j * self.box_rows, c_slab + j * self.box_rows * 128,
-                                 leader)
-                if tid == 0:
-                    bulk_commit()
+                fence_smem_for_async_proxy()
+                cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
+                if w == 0:
+                    for j in cutlass.range_constexpr(rows // self.box_rows):
+                        cute.copy(tma_c, tCsC[(None, j, wg)],
+                                  tCgC[(None, n0 // 64, (m0 + 128 * p) // self.box_rows + j)], tma_desc_ptr=desc_c)
+                    c_store.producer_commit()
 
     @cute.jit
-    def consume_chunk(self, chunk, first, frags, accs, tCrB, tiled_mma, full_bar, empty_bar, stages, a16_full,
-                      a16_empty, b_off, sfb_off, b_sel):
-        s = chunk % self.num_stages
-        buf = chunk % self.NUM_A16
-        mbar_wait(full_bar + 8 * s, (chunk // self.num_stages) % 2)
-        stage = stages + s * self.stage_bytes
-        sf_b = stage + self.sfb_in_stage
+    def consume_chunk(self, chunk, first, frags, accs, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
+                      sfb_off, b_sel):
+        state = ring_state(chunk, self.num_stages)
+        a16_state = ring_state(chunk, self.NUM_A16)
+        stage_pipe.consumer_wait(state)
+        stage_b = smem.b + state.index * self.b_bytes
+        sf_b = smem.sf + state.index * self.sf_stage_bytes + self.sfb_in_stage
 
         # -- this thread's B rows (r, r + 8 of each block) and their scale words; then release the stage
         b_rows = [(blk, half) for blk in range(self.bpw) for half in range(2)]
-        b_words = [ld_shared_v4(stage + self.b_in_stage + b_off + 4096 * blk + 512 * half) for blk, half in b_rows]
+        b_words = [ld_shared_v4(stage_b + b_off + 4096 * blk + 512 * half) for blk, half in b_rows]
         b_sf = [ld_shared_u32(sf_b + sfb_off + 8 * blk + 128 * half) for blk, half in b_rows]
-        mbar_arrive(empty_bar + 8 * s)
+        stage_pipe.consumer_release(state)
         b_sc = [[scale_to_f16x2(b_sf[r], b_sel + e * 0x101) for e in range(2)] for r in range(2 * self.bpw)]
-        mbar_wait(a16_full + 8 * buf, (chunk // self.NUM_A16) % 2)
+        a16_pipe.consumer_wait(a16_state)
+        # The previous chunk's fp16 A buffer, released at t == 1 below once its wgmmas have retired. A tile's
+        # first chunk releases the spare barrier after the ring instead (index NUM_A16): the tile before
+        # released its last buffer after its final wait; a select, not a branch (see consume_tile's NOTES).
+        prev_state = pipeline.PipelineState(
+            self.NUM_A16, chunk, first * self.NUM_A16 + (1 - first) * ((chunk + self.NUM_A16 - 1) % self.NUM_A16), 0)
 
         # -- per quarter (32 k = word t of each row): dequantize into the register fragment and issue
         # 2 k-steps of wgmma per block; a fragment buffer is rewritten two quarters later.
@@ -3052,7 +3071,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             warpgroup.wait_group(1)
             if t == 1:
                 # every wgmma of the previous chunk has retired: its fp16 A buffer can be refilled
-                mbar_arrive_if(a16_empty + 8 * ((chunk + self.NUM_A16 - 1) % self.NUM_A16), 1 - first)
+                a16_pipe.consumer_release(prev_state)
             for blk in cutlass.range_constexpr(self.bpw):
                 frag_u32 = cute.recast_tensor(frags[blk][t % 2], cutlass.Uint32)
                 o0 = fp4x8_to_f16x2x4(b_words[2 * blk][t], b_sc[2 * blk][t // 2])
@@ -3066,7 +3085,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             for blk in cutlass.range_constexpr(self.bpw):
                 for step in cutlass.range_constexpr(2):
                     cute.gemm(tiled_mma, accs[blk], frags[blk][t % 2][(None, None, step)],
-                              tCrB[(None, None, 2 * t + step, buf)], accs[blk])
+                              tCrB[(None, None, 2 * t + step, a16_state.index)], accs[blk])
             warpgroup.commit_group()
 
 
