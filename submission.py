@@ -47,9 +47,10 @@ scales, two consumer warpgroups dequantize B in registers as the wgmma A operand
 for the tile's width, and store C^T tiles by TMA. Barriers and copies are the DSL's pipeline classes and TMA
 atoms, as on Blackwell; inline PTX is left for the operand conversions and hand-addressed shared memory.
 The other variants (`SM90_VARIANT_CONFIGS`) use 128-row tiles on the round-robin `GroupTileScheduler`, and
-those without the prepass convert A in a transform warpgroup of every CTA. Both arches share the host path: constraint check, pointer/size tables, launch
-metadata cache, compile cache, the prepared-call fast path and the launch paths (`LAUNCH_PATH`: the DSL's
-TVM-FFI entry where apache-tvm-ffi imports, else its ctypes entry with arguments packed once).
+those without the prepass convert A in a transform warpgroup of every CTA. Both arches share the host path:
+constraint check, pointer/size tables, launch metadata cache, compile cache, the prepared-call fast path and
+the launch paths (`LAUNCH_PATH`: the DSL's TVM-FFI entry where apache-tvm-ffi imports, else its ctypes entry
+with arguments packed once).
 docs/HOPPER_NOTES.md has the design and log.
 
 Which GPU queue: every kernel here (table upload, descriptor preparation, GEMM) runs on the legacy default
@@ -2824,8 +2825,10 @@ class Sm90BlockScaledGroupedGemmKernel:
                  gmem_parts, smem_parts, smem):
         # One bulk copy (not a tensor copy) per 1 KB scale slice.
         sf_atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), cutlass.Uint8, num_bits_per_copy=self.SF_BYTES * 8)
-        # the fp16 A ring expects a tile's own bytes: width rows x 128 k
-        a16_pipes = [with_tx_count(a16_pipe, width * self.k_chunk * 2) for width in self.widths]
+        # with the prepass the fp16 A ring expects a tile's own bytes: width rows x 128 k (else the producer
+        # does not load A into it)
+        a16_pipes = [with_tx_count(a16_pipe, width * self.k_chunk * 2) if cutlass.const_expr(self.prepass)
+                     else a16_pipe for width in self.widths]
         chunk = cutlass.Int32(0)
         last_g = cutlass.Int32(-1)
         scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
@@ -2882,8 +2885,8 @@ class Sm90BlockScaledGroupedGemmKernel:
                               byte_tensor(sf_stage + self.sfb_in_stage + nb * self.SF_BYTES, self.SF_BYTES),
                               mbar_ptr=full)
             if cutlass.const_expr(self.prepass):
-                # fp16 A of this chunk: box_rows-row boxes of each 64-k half into fp16 A buffer `b`, once the
-                # consumers have retired the wgmmas that read its previous contents.
+                # fp16 A of this chunk: box_rows-row boxes of each 64-k half into the ring's next fp16 A buffer,
+                # once the consumers have retired the wgmmas that read its previous contents.
                 a16_state = ring_state(chunk + c, self.NUM_A16, producer=True)
                 a16_pipe.producer_acquire(a16_state)
                 a16_full = a16_pipe.producer_get_barrier(a16_state)
@@ -2956,7 +2959,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         # two buffers (even / odd quarter); the same shape for every width
         frag_shape = tiled_mmas[0].partition_shape_A((64, 32))
         frags = [[cute.make_rmem_tensor(frag_shape, cutlass.Float16) for _ in range(2)] for _ in range(self.bpw)]
-        # Warp 0 of each consumer warpgroup stores its slab (the DSL elects one thread for a TMA copy).
+        # Warp 0 of each consumer warpgroup stores its slab. The DSL does not elect a lane for the TMA store (the
+        # PTX has every lane of the warp issue it); with warp-uniform operands the SASS issues it once per warp.
         c_store = pipeline.PipelineTmaStore.create(
             num_stages=1, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32))
         # this warpgroup's epilogue barrier (a runtime id: a NamedBarrier object wants a compile-time one)

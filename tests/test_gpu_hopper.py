@@ -37,8 +37,8 @@ EDGE_CASES = {
     "g16": dict(m=[1 + (37 * i) % 300 for i in range(16)], n=[256 * (1 + i % 3) for i in range(16)],
                 k=[256 * (1 + (5 * i) % 7) for i in range(16)], g=16, seed=9),
     "k7168": dict(m=[72, 129], n=[256, 512], k=[7168, 7168], g=2, seed=10),
-    # sm90_a16_mexact: every width (64 ... 192; M <= 64 pads to 64) and splits of larger M; more tiles than SMs, so CTAs run tiles
-    # of different widths back to back through the same fp16 A buffers
+    # sm90_a16_mexact: every width (64 ... 192; M <= 64 pads to 64) and splits of larger M; more tiles than SMs,
+    # so CTAs run tiles of different widths back to back through the same fp16 A buffers
     "widths": dict(m=[1, 32, 33, 64, 97, 128, 150, 192, 193, 400, 1000], n=[4096, 256, 512, 128, 3072, 256, 1024,
                                                                          128, 2048, 512, 1024],
                    k=[256, 512, 256, 768, 256, 512, 256, 256, 512, 256, 256], g=11, seed=13),
