@@ -823,8 +823,7 @@ def planned_kernel(submission, arch: str, variant: Optional[str], groups: int, s
     if name is None:
         raise LookupError(f"submission.py chose a {arch} kernel that no variant names ({config}); compile_for "
                           "cannot build it")
-    widths = submission.SM90_WIDTHS
-    m_rows = f"{widths[0]}-{widths[-1]}" if getattr(config, "m_exact", False) else ""
+    m_rows = f"{config.widths[0]}-{config.widths[-1]}" if getattr(config, "m_exact", False) else ""
     return PlannedKernel(name, tuple(config.tile_mn), groups, m_rows)
 
 

@@ -401,7 +401,8 @@ def set_variant(name: str) -> None:
 
 # M-exact Hopper tiles (Sm90GemmConfig.m_exact): the widths a tile's A rows (the wgmma N) can take. Each
 # width is its own compiled mainloop, chosen per tile at run time; 192 is the widest whose three fp16 A
-# buffers (48 KB each) fit in shared memory beside the B stages and the epilogue slabs.
+# buffers (48 KB each) fit in shared memory beside the B stages and the epilogue slabs. A kernel built for
+# widths up to 128 (Sm90GemmConfig.max_width) fits four 32 KB buffers instead: a deeper A prefetch.
 # NOTES: five widths, not six: with a sixth mainloop (32) ptxas serializes every wgmma of the kernel
 # ("insufficient register resources", C7512; tests/test_build.py checks the SASS for it).
 SM90_WIDTHS = (64, 96, 128, 160, 192)
@@ -427,6 +428,9 @@ class Sm90GemmConfig:
       split rounded up to one of SM90_WIDTHS (the wgmma N), so a group of M <= 192 is one tile row and B is
       converted once per split instead of once per 128 rows; the host plans the splits and a cost-balanced
       work list per CTA (`plan_sm90_work`) instead of the round-robin `GroupTileScheduler`.
+    max_width: m_exact only: the widest tile (one of SM90_WIDTHS; the plan splits groups so that none is wider).
+      The fp16 A buffers are this many rows, so a narrower maximum leaves room for more of them
+      (`Sm90BlockScaledGroupedGemmKernel.num_a16`).
     """
 
     blocks_per_wg: int = 1
@@ -434,17 +438,26 @@ class Sm90GemmConfig:
     use_pdl: bool = USE_PDL  # programmatic dependent launch
     a16_prepass: bool = False
     m_exact: bool = False
+    max_width: int = SM90_WIDTHS[-1]
 
     def __post_init__(self):
         if self.blocks_per_wg not in (1, 2):
             raise ValueError(f"Sm90GemmConfig.blocks_per_wg={self.blocks_per_wg}: only 1 or 2 is supported")
         if self.m_exact and not (self.a16_prepass and self.blocks_per_wg == 1):
             raise ValueError("Sm90GemmConfig.m_exact needs a16_prepass=True and blocks_per_wg=1")
+        if self.max_width not in SM90_WIDTHS or (self.max_width != SM90_WIDTHS[-1] and not self.m_exact):
+            raise ValueError(f"Sm90GemmConfig.max_width={self.max_width}: one of {SM90_WIDTHS}, and only with m_exact")
+
+    @property
+    def widths(self) -> tuple:
+        """m_exact: the tile widths the kernel is built for (a prefix of SM90_WIDTHS: a tile's width index is
+        the same in both); else the one width, 128."""
+        return tuple(w for w in SM90_WIDTHS if w <= self.max_width) if self.m_exact else (128,)
 
     @property
     def tile_mn(self) -> tuple:
         """(rows of A, rows of B) of a tile; m_exact: the widest of its per-group widths."""
-        return (SM90_WIDTHS[-1] if self.m_exact else 128, 128 * self.blocks_per_wg)
+        return (self.widths[-1], 128 * self.blocks_per_wg)
 
 
 # Hopper's kernels by name. custom_kernel picks one per problem (choose_sm90_config); compile_for and the
@@ -455,13 +468,19 @@ SM90_VARIANT_CONFIGS = {
     "sm90_a16_tile128": Sm90GemmConfig(blocks_per_wg=1, a16_prepass=True),
     "sm90_a16_tile256": Sm90GemmConfig(blocks_per_wg=2, a16_prepass=True),
     "sm90_a16_mexact": Sm90GemmConfig(a16_prepass=True, m_exact=True),
+    "sm90_a16_mexact128": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=128),
 }
 
 
 def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
     """M-exact tiles with A converted once per call, for every problem: on the H200 they were faster than or
     level with every other variant on each benchmark (docs/HOPPER_NOTES.md v11); their plan
-    (`plan_sm90_work`) already weighs tile widths against filling the SMs."""
+    (`plan_sm90_work`) already weighs tile widths against filling the SMs. Where that plan has no tile wider
+    than 128 rows, the kernel built for widths up to 128, whose fp16 A ring is one buffer deeper (v15)."""
+    if problem_sizes:
+        plan = plan_sm90_work(tuple(tuple(size) for size in problem_sizes), num_sms)
+        if max(width for _, width in plan.splits) <= 128:
+            return SM90_VARIANT_CONFIGS["sm90_a16_mexact128"]
     return SM90_VARIANT_CONFIGS["sm90_a16_mexact"]
 
 
@@ -495,6 +514,7 @@ def sm90_tile_cost(width: int, k: int) -> float:
 
 
 def _sm90_split_width(m: int, splits: int) -> int:
+    """The narrowest width of SM90_WIDTHS that `splits` tiles of M rows need (splits >= M / the widest)."""
     return next(w for w in SM90_WIDTHS if w * splits >= m)
 
 
@@ -537,18 +557,18 @@ def _sm90_assign(problem_sizes, splits: list, num_sms: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def plan_sm90_work(problem_sizes: tuple, num_sms: int) -> Sm90WorkPlan:
+def plan_sm90_work(problem_sizes: tuple, num_sms: int, max_width: int = SM90_WIDTHS[-1]) -> Sm90WorkPlan:
     """M splits and a balanced work list for the M-exact Hopper kernel (host side, once per problem shape).
 
     Start: the best of "every group split into the fewest tiles of at most `cap` rows" over each cap in
-    SM90_WIDTHS; then, greedily, the group whose extra split lowers the predicted makespan
+    SM90_WIDTHS up to `max_width` (the kernel's widest tile, `Sm90GemmConfig.max_width`); then, greedily, the group whose extra split lowers the predicted makespan
     (`_sm90_makespan`) most gets one, while that gains more than 1 %. More splits fill more SMs but convert
     B once more per split and pad more rows. Tiles go to CTAs longest first, each to the least loaded
     (`_sm90_assign`), so uneven widths still balance. Host cost: ~5 ms for the benchmarks, ~0.1 s for 128
     groups of up to 3000 rows (66k tiles).
     """
     starts = []
-    for cap in SM90_WIDTHS:
+    for cap in (w for w in SM90_WIDTHS if w <= max_width):
         splits = [ceil_div(m, cap) for m, _, _, _ in problem_sizes]
         starts.append((_sm90_makespan(problem_sizes, splits, num_sms), splits))
     best, splits = min(starts, key=lambda t: t[0])
@@ -571,10 +591,10 @@ def plan_sm90_work(problem_sizes: tuple, num_sms: int) -> Sm90WorkPlan:
 
 
 @functools.lru_cache(maxsize=64)
-def sm90_work_list(problem_sizes: tuple, num_sms: int, device: torch.device) -> torch.Tensor:
-    """`plan_sm90_work`'s words as a device int32 tensor, made once per problem shape and device (an
-    ordinary copy, which waits for the device: only the first call of a new problem shape pays it)."""
-    return torch.tensor(plan_sm90_work(problem_sizes, num_sms).words(), dtype=torch.int32, device=device)
+def sm90_work_list(problem_sizes: tuple, num_sms: int, max_width: int, device: torch.device) -> torch.Tensor:
+    """`plan_sm90_work`'s words as a device int32 tensor, made once per problem shape, widest tile and device
+    (an ordinary copy, which waits for the device: only the first call of a new problem shape pays it)."""
+    return torch.tensor(plan_sm90_work(problem_sizes, num_sms, max_width).words(), dtype=torch.int32, device=device)
 
 
 # How custom_kernel picks its Hopper kernel: "sm90_auto" per problem (choose_sm90_config), or one entry of
@@ -2515,8 +2535,10 @@ class Sm90BlockScaledGroupedGemmKernel:
     (m); 2 -> tile 256 x 128 (each fp16 A buffer feeds twice the MMA work: ~25 % less time per MAC on the
     H200, but half as many tiles). Registers (setmaxnreg): producer 24, transform 64, consumers 208 (prepass:
     24, 24, 232).
-    Shared memory: stages (4 x 18 KB | 3 x 27 KB; prepass 4 x 9 KB | 3 x 18 KB) + 3 fp16 A buffers of tile_m x 128 k
-    (32 KB; m_exact 48 KB) + 2 x 16 KB epilogue: ~205 / 214 KB, m_exact 213 KB.
+    Shared memory: stages (4 x 18 KB | 3 x 27 KB; prepass 4 x 9 KB | 3 x 18 KB) + fp16 A buffers of tile_m x 128 k
+    (32 KB; m_exact up to 192 rows 48 KB), as many as fit up to 4 (`num_a16`: 3 without the prepass or at 192
+    rows, else 4) + 2 x 16 KB epilogue: ~205 / 214 KB without the prepass, 196 / 219 / 213 / 196 KB for
+    a16_tile128 / a16_tile256 / m_exact / m_exact up to 128 rows.
     Named barriers: EPILOGUE_BARRIER + consumer index (128 threads each).
     Pipelines (the DSL's classes, as the Blackwell kernels use): the stage ring is a `PipelineTmaAsync`
     (producer TMA and bulk copies -> consumer warps, and the transform warps that read A from it); the fp16 A
@@ -2536,7 +2558,8 @@ class Sm90BlockScaledGroupedGemmKernel:
     A_BYTES = 128 * 64  # A fp4 rows of one stage: 128 x 64 B (128 k)
     SF_BYTES = 1024  # one 128-row scale slice for 128 k
     C_BYTES = 128 * 64 * 2  # one epilogue slab per consumer warpgroup: 128 m x 64 n fp16
-    NUM_A16 = 3
+    SMEM_BYTES = 232448  # shared memory a CTA may use on an H100 / H200 (227 KB)
+    SMEM_SLACK = 4096  # barriers and the alignment of the shared-memory regions
     descriptor_slots = tuple(Sm90TensorMapSlot)
 
     def __init__(self, num_groups: int, config: "Sm90GemmConfig"):
@@ -2546,8 +2569,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         self.bpw = blocks_per_wg
         self.num_stages = num_stages or (4 if blocks_per_wg == 1 else 3)
         self.m_exact = config.m_exact
-        # rows of A per tile (wgmma N): one width, or (m_exact) one of SM90_WIDTHS per tile, chosen at run time
-        self.widths = SM90_WIDTHS if self.m_exact else (128,)
+        # rows of A per tile (wgmma N): one width, or (m_exact) one of config.widths per tile, chosen at run time
+        self.widths = config.widths
         self.tile_m = self.widths[-1]
         self.tile_n = 128 * blocks_per_wg  # rows of B per tile (2 consumer warpgroups x bpw x wgmma M 64)
         self.k_chunk = 128  # k elements per stage
@@ -2563,6 +2586,12 @@ class Sm90BlockScaledGroupedGemmKernel:
         self.sfb_in_stage = 0 if self.prepass else self.SF_BYTES
         self.sf_stage_bytes = self.sfb_in_stage + self.SF_BYTES * blocks_per_wg
         self.stage_bytes = self.b_bytes + self.a_stage_bytes + self.sf_stage_bytes  # the TMA bytes of a stage
+        # fp16 A buffers: as many as fit beside the stages and the epilogue slabs (barriers and alignment
+        # padding in SMEM_SLACK), at most 4: 3 of 48 KB (m_exact up to 192 rows, or no prepass), 4 of 32 KB
+        # otherwise. A buffer is refilled only after the wgmmas that read it retire, so the deeper ring loads A
+        # further ahead (measured: 4 instead of 3 buffers, 5 % / 3 % faster on bench2 / bench3).
+        free = self.SMEM_BYTES - self.SMEM_SLACK - self.num_stages * self.stage_bytes - 2 * self.C_BYTES
+        self.num_a16 = min(4, free // self.a16_bytes)
         self.threads = 512
         self.producer_regs = 24
         # With the prepass the transform warpgroup is idle and gives its registers to the consumers:
@@ -2675,12 +2704,12 @@ class Sm90BlockScaledGroupedGemmKernel:
             # [full x num_stages | empty x num_stages] of the stage ring and of the fp16 A ring; the A ring has
             # one spare empty barrier after them (see `consume_chunk`)
             stage_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            a16_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.NUM_A16 + 1]
+            a16_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.num_a16 + 1]
             sB: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.num_stages * self.b_bytes], 1024]
             sA: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Uint8, max(self.num_stages * self.a_stage_bytes, 16)], 1024]
             sSF: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.num_stages * self.sf_stage_bytes], 128]
-            a16: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.NUM_A16 * self.a16_bytes // 2], 1024]
+            a16: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.num_a16 * self.a16_bytes // 2], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, 2 * self.C_BYTES // 2], 1024]
 
         self.shared_storage = SharedStorage
@@ -2714,16 +2743,16 @@ class Sm90BlockScaledGroupedGemmKernel:
         a16_releases = 8 if cutlass.const_expr(self.prepass) else 256
         if cutlass.const_expr(self.prepass):
             a16_pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.a16_bars.data_ptr(), num_stages=self.NUM_A16,
+                barrier_storage=storage.a16_bars.data_ptr(), num_stages=self.num_a16,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, a16_releases),
                 tx_count=self.a16_bytes, defer_sync=True)
         else:
             a16_pipe = pipeline.PipelineAsync.create(
-                barrier_storage=storage.a16_bars.data_ptr(), num_stages=self.NUM_A16,
+                barrier_storage=storage.a16_bars.data_ptr(), num_stages=self.num_a16,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, a16_releases), defer_sync=True)
-        spare = storage.a16_bars.data_ptr() + 2 * self.NUM_A16  # the A ring's spare barrier (`consume_chunk`)
+        spare = storage.a16_bars.data_ptr() + 2 * self.num_a16  # the A ring's spare barrier (`consume_chunk`)
         if warp == 0:
             # NOTES: the same arrival count as the ring's empty barriers, so that a release completes exactly one
             # phase: a warp's 32 arrivals merge into one arrive of count 32, and an arrive larger than the pending
@@ -2747,7 +2776,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         if cutlass.const_expr(self.prepass):
             # (box, box within a half, half, buffer): the fp16 A buffers as box_rows-row boxes
             sA = storage.a16.get_tensor(cute.make_layout(
-                (a_box.outer.shape, self.tile_m // self.box_rows, 2, self.NUM_A16),
+                (a_box.outer.shape, self.tile_m // self.box_rows, 2, self.num_a16),
                 stride=(a_box.outer.stride, self.box_rows * 64, self.tile_m * 64, self.tile_m * self.k_chunk)),
                 swizzle=a_box.inner)
             a_tile = (self.box_rows, 64)
@@ -2765,7 +2794,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         tCsC, tCgC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), sC, gC)
         swizzle = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float16).inner
         # per width: the fp16 A buffers as the wgmma B operand
-        sA16 = [storage.a16.get_tensor(self.a16_outer(w, self.NUM_A16), swizzle=swizzle) for w in self.widths]
+        sA16 = [storage.a16.get_tensor(self.a16_outer(w, self.num_a16), swizzle=swizzle) for w in self.widths]
         smem = Sm90SharedAddresses(storage.sB.data_ptr().toint(), storage.sA.data_ptr().toint(),
                                    storage.sSF.data_ptr().toint(), storage.a16.data_ptr().toint(),
                                    storage.sC.data_ptr().toint())
@@ -2854,7 +2883,7 @@ class Sm90BlockScaledGroupedGemmKernel:
     def produce_tile(self, width: int, chunk, ptrs, descriptors, g, m0, n_tile, k_size, stage_pipe, a16_pipe,
                      atoms, gmem_parts, smem_parts, sf_atom, smem):
         """The loads of one tile of `width` rows of A: per 128-k chunk a stage (B, its scales; A fp4 and its
-        scales without the prepass) and, with the prepass, the chunk's fp16 A into buffer chunk % NUM_A16."""
+        scales without the prepass) and, with the prepass, the chunk's fp16 A into buffer chunk % num_a16."""
         tma_a, tma_b = atoms
         tAgA, tBgB = gmem_parts
         tAsA, tBsB = smem_parts
@@ -2887,7 +2916,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             if cutlass.const_expr(self.prepass):
                 # fp16 A of this chunk: box_rows-row boxes of each 64-k half into the ring's next fp16 A buffer,
                 # once the consumers have retired the wgmmas that read its previous contents.
-                a16_state = ring_state(chunk + c, self.NUM_A16, producer=True)
+                a16_state = ring_state(chunk + c, self.num_a16, producer=True)
                 a16_pipe.producer_acquire(a16_state)
                 a16_full = a16_pipe.producer_get_barrier(a16_state)
                 for h in cutlass.range_constexpr(2):
@@ -2916,7 +2945,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             _, _, _, k_size = self.group_sizes(sizes, g)
             for _ in range(k_size // self.k_chunk):
                 state = ring_state(chunk, self.num_stages)
-                a16_state = ring_state(chunk, self.NUM_A16, producer=True)
+                a16_state = ring_state(chunk, self.num_a16, producer=True)
                 stage_pipe.consumer_wait(state)
                 stage_a = smem.a + state.index * self.A_BYTES
                 # words[q'] = physical k 32 q' + [0, 32) of this row: word (q', t) covers 32 q' + 8 t + [0, 8)
@@ -3021,7 +3050,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             self.consume_chunk(chunk + c, first, frags, accs, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
                                sfb_off, b_sel)
         warpgroup.wait_group(0)
-        a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.NUM_A16))
+        a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
 
         # Epilogue: per block and per pass of at most 128 rows of A, acc -> fp16 slab [m][n] in shared
         # memory -> TMA stores of box_rows x 64 boxes.
@@ -3051,7 +3080,7 @@ class Sm90BlockScaledGroupedGemmKernel:
     def consume_chunk(self, chunk, first, frags, accs, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
                       sfb_off, b_sel):
         state = ring_state(chunk, self.num_stages)
-        a16_state = ring_state(chunk, self.NUM_A16)
+        a16_state = ring_state(chunk, self.num_a16)
         stage_pipe.consumer_wait(state)
         stage_b = smem.b + state.index * self.b_bytes
         sf_b = smem.sf + state.index * self.sf_stage_bytes + self.sfb_in_stage
@@ -3064,10 +3093,10 @@ class Sm90BlockScaledGroupedGemmKernel:
         b_sc = [[scale_to_f16x2(b_sf[r], b_sel + e * 0x101) for e in range(2)] for r in range(2 * self.bpw)]
         a16_pipe.consumer_wait(a16_state)
         # The previous chunk's fp16 A buffer, released at t == 1 below once its wgmmas have retired. A tile's
-        # first chunk releases the spare barrier after the ring instead (index NUM_A16): the tile before
+        # first chunk releases the spare barrier after the ring instead (index num_a16): the tile before
         # released its last buffer after its final wait; a select, not a branch (see consume_tile's NOTES).
         prev_state = pipeline.PipelineState(
-            self.NUM_A16, chunk, first * self.NUM_A16 + (1 - first) * ((chunk + self.NUM_A16 - 1) % self.NUM_A16), 0)
+            self.num_a16, chunk, first * self.num_a16 + (1 - first) * ((chunk + self.num_a16 - 1) % self.num_a16), 0)
 
         # -- per quarter (32 k = word t of each row): dequantize into the register fragment and issue
         # 2 k-steps of wgmma per block; a fragment buffer is rewritten two quarters later.
@@ -3497,9 +3526,9 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
     if isinstance(config, Sm90GemmConfig):
         if config.m_exact:
             sizes, num_sms = tuple(map(tuple, data[3])), _device_sm_count(device.index)
-            plan = plan_sm90_work(sizes, num_sms)
+            plan = plan_sm90_work(sizes, num_sms, config.max_width)
             num_tiles, num_ctas = plan.num_tiles, len(plan.cta_tiles)
-            work_list = sm90_work_list(sizes, num_sms, device)
+            work_list = sm90_work_list(sizes, num_sms, config.max_width, device)
         else:
             num_ctas = min(num_tiles, _device_sm_count(device.index))
         workspace_bytes = Sm90BlockScaledGroupedGemmKernel.workspace_bytes(config, data[3])

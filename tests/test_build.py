@@ -55,7 +55,7 @@ def test_sm100a_builds_for_every_task_group_count(tmp_path, variant):
 
 
 @pytest.mark.parametrize("variant", ["sm90_tile128", "sm90_tile256", "sm90_a16_tile128", "sm90_a16_tile256",
-                                     "sm90_a16_mexact"])
+                                     "sm90_a16_mexact", "sm90_a16_mexact128"])
 def test_sm90a_builds_for_every_task_group_count(tmp_path, variant):
     proc, report = _compile(tmp_path, "sm_90a", ("--variant", variant))
     assert proc.returncode == 0, proc.stdout[-3000:]

@@ -35,10 +35,11 @@ def _decode(words, grid):
     return [tiles[words[b]:words[b + 1]] for b in range(grid)]
 
 
+@pytest.mark.parametrize("max_width", [192, 128])
 @pytest.mark.parametrize("num_sms", [132, 8, 1])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"s{i}" for i in range(len(SHAPES))])
-def test_plan_covers_every_output_once(shape, num_sms):
-    plan = submission.plan_sm90_work(shape, num_sms)
+def test_plan_covers_every_output_once(shape, num_sms, max_width):
+    plan = submission.plan_sm90_work(shape, num_sms, max_width)
     widths = submission.SM90_WIDTHS
     grid = len(plan.cta_tiles)
     assert 1 <= grid <= num_sms and all(plan.cta_tiles)
@@ -52,9 +53,26 @@ def test_plan_covers_every_output_once(shape, num_sms):
                 assert key not in covered, f"row {row} of group {g}, N tile {nt}, in two tiles"
                 covered[key] = True
     assert len(covered) == sum(m * (n // 128) for m, n, _, _ in shape)
-    # one width per group, and its splits cannot be fewer
+    # one width per group, none wider than the kernel's widest, and its splits cannot be fewer
     for g, ((m, _, _, _), (splits, width)) in enumerate(zip(shape, plan.splits)):
-        assert width in widths and width * splits >= m and width * (splits - 1) < m
+        assert width in widths and width <= max_width and width * splits >= m and width * (splits - 1) < m
+    assert all(widths[wi] <= max_width for tiles in plan.cta_tiles for _, _, wi, _ in tiles)
+
+
+def test_auto_takes_the_deeper_a_ring_where_no_tile_is_wider_than_128():
+    # bench2 / bench3 plan only tiles of 96-128 rows: the kernel built for widths up to 128 (four fp16 A
+    # buffers) runs them; bench0 / bench1 need 160- and 192-row tiles.
+    shapes = _task_shapes()[-4:]
+    names = [submission.choose_sm90_config(shape, 132) for shape in shapes]
+    assert names == [submission.SM90_VARIANT_CONFIGS[n] for n in
+                     ("sm90_a16_mexact", "sm90_a16_mexact", "sm90_a16_mexact128", "sm90_a16_mexact128")]
+    for shape, config in zip(shapes, names):
+        widest = max(w for _, w in submission.plan_sm90_work(shape, 132).splits)
+        assert (config.max_width == 128) == (widest <= 128)
+        # the plan the chosen kernel runs is the one auto judged by
+        assert submission.plan_sm90_work(shape, 132, config.max_width).splits == \
+            submission.plan_sm90_work(shape, 132).splits
+    assert submission.choose_sm90_config((), 132) == submission.SM90_VARIANT_CONFIGS["sm90_a16_mexact"]
 
 
 @pytest.mark.parametrize("shape", SHAPES[:20], ids=[f"s{i}" for i in range(20)])
