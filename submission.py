@@ -475,12 +475,9 @@ SM90_VARIANT_CONFIGS = {
 def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
     """M-exact tiles with A converted once per call, for every problem: on the H200 they were faster than or
     level with every other variant on each benchmark (docs/HOPPER_NOTES.md v11); their plan
-    (`plan_sm90_work`) already weighs tile widths against filling the SMs. Where that plan has no tile wider
-    than 128 rows, the kernel built for widths up to 128, whose fp16 A ring is one buffer deeper (v15)."""
-    if problem_sizes:
-        plan = plan_sm90_work(tuple(tuple(size) for size in problem_sizes), num_sms)
-        if max(width for _, width in plan.splits) <= 128:
-            return SM90_VARIANT_CONFIGS["sm90_a16_mexact128"]
+    (`plan_sm90_work`) already weighs tile widths against filling the SMs.
+    Not yet taken: `sm90_a16_mexact128` (widths up to 128, one fp16 A buffer more) measured 1.2-1.5 % faster
+    on bench2 / bench3, where the plan has no wider tile, but has run on a GPU with DSL 4.8.1 only (v15)."""
     return SM90_VARIANT_CONFIGS["sm90_a16_mexact"]
 
 
