@@ -175,14 +175,14 @@ def _check_setter_name(setter: str, what: str, name, choices: tuple) -> None:
         raise TypeError(f"{setter}() takes a {what} name (str), one of {choices}; not {name!r} ({type(name).__name__})")
     _check_choice(what, name, choices)
 
-# Hardware budgets of one sm_100 SM (the CUDA occupancy tables: 227 KiB of shared memory per block, static
-# and dynamic together; 512 tensor-memory columns of 128 lanes x 32 bit).
-SM100_SMEM_CAPACITY = 232448
+# Hardware budgets (the CUDA occupancy tables): 227 KiB of shared memory per block, static and dynamic
+# together, on sm_100 and on sm_90 alike; an sm_100 SM's 512 tensor-memory columns of 128 lanes x 32 bit.
+SMEM_CAPACITY = 232448
 SM100_TMEM_COLUMNS = 512
 # Static shared memory the DSL gives every kernel built here (cuobjdump -res-usage SHARED), outside the
 # dynamic allocation the kernel sizes itself.
 DSL_STATIC_SMEM_BYTES = 1024
-SM100_DYNAMIC_SMEM_BUDGET = SM100_SMEM_CAPACITY - DSL_STATIC_SMEM_BYTES
+DYNAMIC_SMEM_BUDGET = SMEM_CAPACITY - DSL_STATIC_SMEM_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,12 +299,12 @@ class Sm100PersistentConfig(Sm100TileConfig):
 
     @property
     def num_ab_stages(self) -> int:
-        free = SM100_DYNAMIC_SMEM_BUDGET - self.smem_header_bytes - self.min_c_stages * self.c_stage_bytes
+        free = DYNAMIC_SMEM_BUDGET - self.smem_header_bytes - self.min_c_stages * self.c_stage_bytes
         return free // self.ab_stage_bytes
 
     @property
     def num_c_stages(self) -> int:
-        free = SM100_DYNAMIC_SMEM_BUDGET - self.smem_header_bytes - self.num_ab_stages * self.ab_stage_bytes
+        free = DYNAMIC_SMEM_BUDGET - self.smem_header_bytes - self.num_ab_stages * self.ab_stage_bytes
         return free // self.c_stage_bytes
 
     @property
@@ -333,7 +333,7 @@ class Sm100PersistentConfig(Sm100TileConfig):
                     tile_mnk=self.mma_tiler_mnk,
                     threads=32 * len(Sm100Warp), ab_stages=self.num_ab_stages, ab_stage_bytes=self.ab_stage_bytes,
                     acc_stages=self.num_acc_stages, c_stages=self.num_c_stages, c_stage_bytes=self.c_stage_bytes,
-                    smem_bytes=self.smem_bytes, smem_budget=SM100_DYNAMIC_SMEM_BUDGET,
+                    smem_bytes=self.smem_bytes, smem_budget=DYNAMIC_SMEM_BUDGET,
                     tmem_cols_used=self.tmem_cols_used, tmem_alloc_cols=self.tmem_alloc_cols)
 
 
@@ -450,9 +450,8 @@ class Sm90GemmConfig:
 
     @property
     def widths(self) -> tuple:
-        """m_exact: the tile widths the kernel is built for (a prefix of SM90_WIDTHS: a tile's width index is
-        the same in both); else the one width, 128."""
-        return tuple(w for w in SM90_WIDTHS if w <= self.max_width) if self.m_exact else (128,)
+        """m_exact: the tile widths the kernel is built for (`sm90_widths`); else the one width, 128."""
+        return sm90_widths(self.max_width) if self.m_exact else (128,)
 
     @property
     def tile_mn(self) -> tuple:
@@ -510,6 +509,12 @@ def sm90_tile_cost(width: int, k: int) -> float:
     return (k // 128) * (width + SM90_CHUNK_OVERHEAD_ROWS) + SM90_TILE_OVERHEAD
 
 
+def sm90_widths(max_width: int) -> tuple:
+    """The M-exact widths up to `max_width`: a prefix of SM90_WIDTHS, so a tile's width index is the same in
+    both (the work list's words, the kernel's per-width mainloops)."""
+    return tuple(w for w in SM90_WIDTHS if w <= max_width)
+
+
 def _sm90_split_width(m: int, splits: int) -> int:
     """The narrowest width of SM90_WIDTHS that `splits` tiles of M rows need (splits >= M / the widest)."""
     return next(w for w in SM90_WIDTHS if w * splits >= m)
@@ -558,14 +563,14 @@ def plan_sm90_work(problem_sizes: tuple, num_sms: int, max_width: int = SM90_WID
     """M splits and a balanced work list for the M-exact Hopper kernel (host side, once per problem shape).
 
     Start: the best of "every group split into the fewest tiles of at most `cap` rows" over each cap in
-    SM90_WIDTHS up to `max_width` (the kernel's widest tile, `Sm90GemmConfig.max_width`); then, greedily, the group whose extra split lowers the predicted makespan
-    (`_sm90_makespan`) most gets one, while that gains more than 1 %. More splits fill more SMs but convert
-    B once more per split and pad more rows. Tiles go to CTAs longest first, each to the least loaded
-    (`_sm90_assign`), so uneven widths still balance. Host cost: ~5 ms for the benchmarks, ~0.1 s for 128
-    groups of up to 3000 rows (66k tiles).
+    SM90_WIDTHS up to `max_width` (the kernel's widest tile, `Sm90GemmConfig.max_width`); then, greedily,
+    the group whose extra split lowers the predicted makespan (`_sm90_makespan`) most gets one, while that
+    gains more than 1 %. More splits fill more SMs but convert B once more per split and pad more rows. Tiles
+    go to CTAs longest first, each to the least loaded (`_sm90_assign`), so uneven widths still balance. Host
+    cost: ~5 ms for the benchmarks, ~0.1 s for 128 groups of up to 3000 rows (66k tiles).
     """
     starts = []
-    for cap in (w for w in SM90_WIDTHS if w <= max_width):
+    for cap in sm90_widths(max_width):
         splits = [ceil_div(m, cap) for m, _, _, _ in problem_sizes]
         starts.append((_sm90_makespan(problem_sizes, splits, num_sms), splits))
     best, splits = min(starts, key=lambda t: t[0])
@@ -2555,8 +2560,7 @@ class Sm90BlockScaledGroupedGemmKernel:
     A_BYTES = 128 * 64  # A fp4 rows of one stage: 128 x 64 B (128 k)
     SF_BYTES = 1024  # one 128-row scale slice for 128 k
     C_BYTES = 128 * 64 * 2  # one epilogue slab per consumer warpgroup: 128 m x 64 n fp16
-    SMEM_BYTES = 232448  # shared memory a CTA may use on an H100 / H200 (227 KB)
-    SMEM_SLACK = 4096  # barriers and the alignment of the shared-memory regions
+    SMEM_SLACK = 4096  # of DYNAMIC_SMEM_BUDGET: barriers and the alignment of the shared-memory regions
     descriptor_slots = tuple(Sm90TensorMapSlot)
 
     def __init__(self, num_groups: int, config: "Sm90GemmConfig"):
@@ -2587,7 +2591,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         # padding in SMEM_SLACK), at most 4: 3 of 48 KB (m_exact up to 192 rows, or no prepass), 4 of 32 KB
         # otherwise. A buffer is refilled only after the wgmmas that read it retire, so the deeper ring loads A
         # further ahead (measured: 4 instead of 3 buffers, 5 % / 3 % faster on bench2 / bench3).
-        free = self.SMEM_BYTES - self.SMEM_SLACK - self.num_stages * self.stage_bytes - 2 * self.C_BYTES
+        free = DYNAMIC_SMEM_BUDGET - self.SMEM_SLACK - self.num_stages * self.stage_bytes - 2 * self.C_BYTES
         self.num_a16 = min(4, free // self.a16_bytes)
         self.threads = 512
         self.producer_regs = 24
