@@ -417,14 +417,17 @@ SM90_TILE_OVERHEAD = 300
 class Sm90GemmConfig:
     """Compile-time configuration of `Sm90BlockScaledGroupedGemmKernel` (everything baked in but G).
 
-    blocks_per_wg: 64-row blocks of B per consumer warpgroup. 1 -> tile 128 (M) x 128 (N); 2 -> 128 x 256,
-    where each fp16 A buffer feeds twice the MMA work (a 128 x 256 tile takes about 1.47x the time of a
-    128 x 128 one on the H200) but there are half as many tiles to spread over the SMs.
-    num_stages: depth of the fp4 + scale ring (0: the most that fits, 4 for 128 x 128, 3 for 128 x 256).
+    A tile is 128 rows of B (two consumer warpgroups x 64, the wgmma M) by 128 rows of A, or (m_exact) by one
+    of SM90_WIDTHS. (Tiles of 256 rows of B lost on every benchmark and are retired: docs/HOPPER_NOTES.md.)
+    num_stages: depth of the fp4 + scale ring (0: 4).
     a16_prepass: A (the small operand) is converted to fp16 once per call by `Sm90AConvertKernel` into the
       launch's workspace, and the GEMM TMA-loads it (no transform warpgroup work); False: the transform
       warpgroup converts A in every CTA that needs it (once per N tile).
-    m_exact: M-exact tiles (with a16_prepass, bpw 1): a tile covers one M split of a group, as wide as the
+    a16_fused: with a16_prepass, the conversion is the first phase of the GEMM's own launch (every CTA converts
+      its share, then a grid-wide barrier, `sm90_grid_arrive_and_wait`, orders it before the first fp16 A
+      load): one launch per call. False: `Sm90AConvertKernel` runs as a launch of its own before the GEMM
+      (kept as the measured comparison, docs/HOPPER_NOTES.md v16).
+    m_exact: M-exact tiles (with a16_prepass): a tile covers one M split of a group, as wide as the
       split rounded up to one of SM90_WIDTHS (the wgmma N), so a group of M <= 192 is one tile row and B is
       converted once per split instead of once per 128 rows; the host plans the splits and a cost-balanced
       work list per CTA (`plan_sm90_work`) instead of the round-robin `GroupTileScheduler`.
@@ -433,18 +436,17 @@ class Sm90GemmConfig:
       (`Sm90BlockScaledGroupedGemmKernel.num_a16`).
     """
 
-    blocks_per_wg: int = 1
     num_stages: int = 0
     use_pdl: bool = USE_PDL  # programmatic dependent launch
     a16_prepass: bool = False
+    a16_fused: bool = True
     m_exact: bool = False
     max_width: int = SM90_WIDTHS[-1]
 
     def __post_init__(self):
-        if self.blocks_per_wg not in (1, 2):
-            raise ValueError(f"Sm90GemmConfig.blocks_per_wg={self.blocks_per_wg}: only 1 or 2 is supported")
-        if self.m_exact and not (self.a16_prepass and self.blocks_per_wg == 1):
-            raise ValueError("Sm90GemmConfig.m_exact needs a16_prepass=True and blocks_per_wg=1")
+        if self.m_exact != self.a16_prepass:
+            raise ValueError("Sm90GemmConfig: m_exact and a16_prepass go together (the M-exact tiles load fp16 A; "
+                             "128-row tiles convert A in the kernel)")
         if self.max_width not in SM90_WIDTHS or (self.max_width != SM90_WIDTHS[-1] and not self.m_exact):
             raise ValueError(f"Sm90GemmConfig.max_width={self.max_width}: one of {SM90_WIDTHS}, and only with m_exact")
 
@@ -456,16 +458,13 @@ class Sm90GemmConfig:
     @property
     def tile_mn(self) -> tuple:
         """(rows of A, rows of B) of a tile; m_exact: the widest of its per-group widths."""
-        return (self.widths[-1], 128 * self.blocks_per_wg)
+        return (self.widths[-1], 128)
 
 
 # Hopper's kernels by name. custom_kernel picks one per problem (choose_sm90_config); compile_for and the
 # tests can name one.
 SM90_VARIANT_CONFIGS = {
-    "sm90_tile128": Sm90GemmConfig(blocks_per_wg=1),
-    "sm90_tile256": Sm90GemmConfig(blocks_per_wg=2),
-    "sm90_a16_tile128": Sm90GemmConfig(blocks_per_wg=1, a16_prepass=True),
-    "sm90_a16_tile256": Sm90GemmConfig(blocks_per_wg=2, a16_prepass=True),
+    "sm90_tile128": Sm90GemmConfig(),
     "sm90_a16_mexact": Sm90GemmConfig(a16_prepass=True, m_exact=True),
     "sm90_a16_mexact128": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=128),
 }
@@ -2308,6 +2307,9 @@ class GroupTensormapKernel:
         rows = TmaDescriptorRows(False, tensormaps, group, storage.tensormap_buffer.data_ptr())
         rows.stage_from_atoms(atoms, slots, 0)
         rows.patch(self.gemm.group_descriptor_tensors(ptr_table, size_table, group, tensormaps), atoms, slots, 0)
+        prepare_workspace = getattr(self.gemm, "prepare_workspace", None)
+        if cutlass.const_expr(prepare_workspace is not None):
+            prepare_workspace(tensormaps, group)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -2339,6 +2341,19 @@ def ring_state(n, stages: int, producer: bool = False):
     (its first pass finds every buffer empty)."""
     phase = (n // stages) % 2
     return pipeline.PipelineState(stages, n, n % stages, phase ^ 1 if producer else phase)
+
+
+def release_read_stage(pipe, state):
+    """Releases a stage of the TMA pipeline `pipe` from every thread that read it with plain shared-memory
+    loads: each thread arrives on the stage's empty barrier, which counts threads (the Hopper kernel's
+    stage ring is created so).
+
+    NOTES: the DSL's `consumer_release` arrives from lane 0 of each warp only. Then nothing in the memory
+    model orders lane 1's load of a scale word before the producer's next bulk copy into that stage, and
+    compute-sanitizer's racecheck reported exactly that write-after-read hazard (multi-group runs, once the
+    ring wraps). A warp sync first would order it, but ptxas drops the WARPSYNC of a converged warp, so the
+    tool cannot see it. A warp's 32 arrivals issue as one instruction, the cost of lane 0's alone."""
+    pipe.sync_object_empty.arrive(state.index, None)
 
 
 def with_tx_count(pipe, tx_count: int):
@@ -2449,11 +2464,54 @@ def st_global_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
          "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}", True, loc, ip)
 
 
+@dsl_user_op
+def st_global_u32(addr, v, *, loc=None, ip=None):
+    _asm(None, [_i64(addr, loc, ip), _u32(v, loc, ip)], "st.global.b32 [$0], $1;", "l,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def fence_global_for_async_proxy(*, loc=None, ip=None):
+    """Orders this thread's generic-proxy global accesses with its later async-proxy (TMA) ones."""
+    _asm(None, [], "fence.proxy.async.global;", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def sm90_grid_arrive_and_wait(sync_addr, last_arrival, *, loc=None, ip=None):
+    """One thread per CTA: arrive on the grid barrier at `sync_addr` (word 0 the arrival count, word 1 the
+    generation; both zero when the workspace is prepared) and wait until every CTA of the grid has arrived.
+    `last_arrival` is the grid size - 1. Self-resetting (the last CTA to arrive zeroes the count, then bumps
+    the generation with release semantics), so one workspace serves every launch on it.
+
+    NOTES: safe only because every CTA of the grid is resident at once: the grid is at most one CTA per SM
+    and the kernel takes a whole SM. The generation is read before this CTA's arrival (acq_rel orders it),
+    so it cannot see the flip it waits for."""
+    _asm(None, [_i64(sync_addr, loc, ip), _u32(last_arrival, loc, ip)],
+         "{\n.reg .b32 gen, old, cur;\n.reg .pred p;\n"
+         "ld.relaxed.gpu.global.b32 gen, [$0+4];\n"
+         "atom.acq_rel.gpu.global.add.u32 old, [$0], 1;\n"
+         "setp.ne.u32 p, old, $1;\n"
+         "@p bra WAIT_${:uid};\n"
+         "st.relaxed.gpu.global.b32 [$0], 0;\n"
+         "add.u32 cur, gen, 1;\n"
+         "st.release.gpu.global.b32 [$0+4], cur;\n"
+         "bra DONE_${:uid};\n"
+         "WAIT_${:uid}:\n"
+         "ld.acquire.gpu.global.b32 cur, [$0+4];\n"
+         "setp.eq.u32 p, cur, gen;\n"
+         "@p bra WAIT_${:uid};\n"
+         "DONE_${:uid}:\n}",
+         "l,r,~{memory}", True, loc, ip)
+
+
+# Bytes of the Hopper workspace's grid-barrier words (arrival count, generation), after the descriptor rows.
+SM90_SYNC_BYTES = 128
+
+
 @cute.jit
 def sm90_a16_group_offset(sizes: cute.Tensor, group, num_groups: cutlass.Constexpr[int]) -> cutlass.Int64:
     """Byte offset of group `group`'s fp16 A (M x K x 2 bytes, groups in order) in a Hopper prepass
-    workspace: after the descriptor rows (`Sm90BlockScaledGroupedGemmKernel.a16_offset`)."""
-    offset = cutlass.Int64(num_groups * len(Sm90TensorMapSlot) * TENSORMAP_BYTES)
+    workspace: after the descriptor rows and the grid-barrier words (`Sm90BlockScaledGroupedGemmKernel.a16_offset`)."""
+    offset = cutlass.Int64(num_groups * len(Sm90TensorMapSlot) * TENSORMAP_BYTES + SM90_SYNC_BYTES)
     for i in cutlass.range(group, unroll=1):
         offset = offset + cutlass.Int64(sizes[i, int(SizeColumn.M)]) * sizes[i, int(SizeColumn.K)] * 2
     return offset
@@ -2492,27 +2550,47 @@ class Sm90AConvertKernel:
         bx, g, _ = cute.arch.block_idx()
         m = sizes[g, int(SizeColumn.M)]
         k = sizes[g, int(SizeColumn.K)]
-        chunks = k // 128
         item = bx * self.threads + tidx
-        if item < m * chunks * 4:
-            t = item % 4
-            chunk = (item // 4) % chunks
-            row = item // (4 * chunks)
-            # A: physical k 32 qq + 8 t + [0, 8) of this chunk is word t of the 16-byte column qq.
-            a_row = ptrs[g, int(PtrColumn.A)] + cutlass.Int64(row) * (k // 2) + chunk * 64 + 4 * t
-            words = [ld_global_u32(a_row + 16 * qq) for qq in range(4)]
-            # Blocked scales: 512-byte (32 x 4 x 4) atoms, rest_k = K / 64 of them per 128 rows; a chunk is
-            # two atoms (sub), byte (row % 32) * 16 + ((row // 32) % 4) * 4 + k-block % 4.
-            sf_row = (ptrs[g, int(PtrColumn.SFA)] + cutlass.Int64(row // 128) * (k // 64) * 512
-                      + chunk * 1024 + (row % 32) * 16 + ((row // 32) % 4) * 4)
-            sf = [ld_global_u32(sf_row + 512 * sub) for sub in range(2)]
-            sel0 = cutlass.Uint32((4 << 12) | (4 << 4))
-            conv = [fp4x8_to_f16x2x4(words[qq], scale_to_f16x2(
-                sf[qq // 2], sel0 | cutlass.Uint32((2 * (qq % 2) + t // 2) * 0x101))) for qq in range(4)]
-            out = (workspace.iterator.toint() + sm90_a16_group_offset(sizes, g, self.num_groups)
-                   + cutlass.Int64(row) * k * 2 + chunk * 256 + 64 * t)
-            for i in cutlass.range_constexpr(4):
-                st_global_v4(out + 16 * i, conv[0][i], conv[1][i], conv[2][i], conv[3][i])
+        if item < m * (k // 128) * 4:
+            sm90_convert_a_item(ptrs, g, k, item,
+                                workspace.iterator.toint() + sm90_a16_group_offset(sizes, g, self.num_groups))
+
+
+@cute.jit
+def sm90_convert_a_items(ptrs: cute.Tensor, sizes: cute.Tensor, a16_base, num_groups: cutlass.Constexpr[int],
+                         first, stride):
+    """Items first, first + stride, ... of every group (`Sm90AConvertKernel` says what an item is): the
+    GEMM's fused conversion, each of its threads a strided share."""
+    group_base = a16_base
+    for g in cutlass.range(num_groups, unroll=1):
+        m = sizes[g, int(SizeColumn.M)]
+        k = sizes[g, int(SizeColumn.K)]
+        for item in cutlass.range(first, m * (k // 128) * 4, stride, unroll=1):
+            sm90_convert_a_item(ptrs, g, k, item, group_base)
+        group_base = group_base + cutlass.Int64(m) * k * 2
+
+
+@cute.jit
+def sm90_convert_a_item(ptrs: cute.Tensor, g, k, item, group_base):
+    """One item of group g's A (K = k) to fp16 at `group_base` (the group's fp16 A in the workspace)."""
+    chunks = k // 128
+    t = item % 4
+    chunk = (item // 4) % chunks
+    row = item // (4 * chunks)
+    # A: physical k 32 qq + 8 t + [0, 8) of this chunk is word t of the 16-byte column qq.
+    a_row = ptrs[g, int(PtrColumn.A)] + cutlass.Int64(row) * (k // 2) + chunk * 64 + 4 * t
+    words = [ld_global_u32(a_row + 16 * qq) for qq in range(4)]
+    # Blocked scales: 512-byte (32 x 4 x 4) atoms, rest_k = K / 64 of them per 128 rows; a chunk is
+    # two atoms (sub), byte (row % 32) * 16 + ((row // 32) % 4) * 4 + k-block % 4.
+    sf_row = (ptrs[g, int(PtrColumn.SFA)] + cutlass.Int64(row // 128) * (k // 64) * 512
+              + chunk * 1024 + (row % 32) * 16 + ((row // 32) % 4) * 4)
+    sf = [ld_global_u32(sf_row + 512 * sub) for sub in range(2)]
+    sel0 = cutlass.Uint32((4 << 12) | (4 << 4))
+    conv = [fp4x8_to_f16x2x4(words[qq], scale_to_f16x2(
+        sf[qq // 2], sel0 | cutlass.Uint32((2 * (qq % 2) + t // 2) * 0x101))) for qq in range(4)]
+    out = group_base + cutlass.Int64(row) * k * 2 + chunk * 256 + 64 * t
+    for i in cutlass.range_constexpr(4):
+        st_global_v4(out + 16 * i, conv[0][i], conv[1][i], conv[2][i], conv[3][i])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -2533,14 +2611,11 @@ class Sm90BlockScaledGroupedGemmKernel:
     `GroupTensormapKernel` (the Blackwell persistent kernel's scheme and code); the producer and the
     consumers only acquire a group's row when their tile changes group.
 
-    blocks_per_wg (bpw, compile time) = 64-row blocks of B per consumer warpgroup: 1 -> tile 128 (n) x 128
-    (m); 2 -> tile 256 x 128 (each fp16 A buffer feeds twice the MMA work: ~25 % less time per MAC on the
-    H200, but half as many tiles). Registers (setmaxnreg): producer 24, transform 64, consumers 208 (prepass:
-    24, 24, 232).
-    Shared memory: stages (4 x 18 KB | 3 x 27 KB; prepass 4 x 9 KB | 3 x 18 KB) + fp16 A buffers of tile_m x 128 k
-    (32 KB; m_exact up to 192 rows 48 KB), as many as fit up to 4 (`num_a16`: 3 without the prepass or at 192
-    rows, else 4) + 2 x 16 KB epilogue: ~205 / 214 KB without the prepass, 196 / 219 / 213 / 196 KB for
-    a16_tile128 / a16_tile256 / m_exact / m_exact up to 128 rows.
+    Tile: 128 rows of B (each consumer warpgroup one 64-row wgmma M block) by tile_m rows of A (the wgmma N).
+    Registers (setmaxnreg): producer 24, transform 64, consumers 208 (prepass: 24, 24, 232).
+    Shared memory: 4 stages (18 KB; prepass 9 KB) + fp16 A buffers of tile_m x 128 k (32 KB; m_exact up to
+    192 rows 48 KB), as many as fit up to 4 (`num_a16`: 3 without the prepass or at 192 rows, else 4)
+    + 2 x 16 KB epilogue: ~205 KB without the prepass, 213 / 196 KB for m_exact up to 192 / 128 rows.
     Named barriers: EPILOGUE_BARRIER + consumer index (128 threads each).
     Pipelines (the DSL's classes, as the Blackwell kernels use): the stage ring is a `PipelineTmaAsync`
     (producer TMA and bulk copies -> consumer warps, and the transform warps that read A from it); the fp16 A
@@ -2564,28 +2639,27 @@ class Sm90BlockScaledGroupedGemmKernel:
     descriptor_slots = tuple(Sm90TensorMapSlot)
 
     def __init__(self, num_groups: int, config: "Sm90GemmConfig"):
-        blocks_per_wg, num_stages = config.blocks_per_wg, config.num_stages
         self.config = config
         self.num_groups = num_groups
-        self.bpw = blocks_per_wg
-        self.num_stages = num_stages or (4 if blocks_per_wg == 1 else 3)
+        self.num_stages = config.num_stages or 4
         self.m_exact = config.m_exact
         # rows of A per tile (wgmma N): one width, or (m_exact) one of config.widths per tile, chosen at run time
         self.widths = config.widths
         self.tile_m = self.widths[-1]
-        self.tile_n = 128 * blocks_per_wg  # rows of B per tile (2 consumer warpgroups x bpw x wgmma M 64)
+        self.tile_n = 128  # rows of B per tile (2 consumer warpgroups x wgmma M 64)
         self.k_chunk = 128  # k elements per stage
         self.prepass = config.a16_prepass
+        self.fused_convert = config.a16_prepass and config.a16_fused  # the conversion is this launch's first phase
         self.a16_bytes = self.tile_m * self.k_chunk * 2  # one fp16 A buffer: tile_m rows x 128 k
         # TMA boxes of the fp16 A loads and of the C^T stores, in rows of A: a width is a whole number of them
         self.box_rows = 32 if self.m_exact else 128
         self.b_bytes = self.tile_n * 64
-        # A stage: B fp4 (sB), A fp4 (sA), scale slices [SFA | SFB x bpw] (sSF); with the prepass A and SFA are
+        # A stage: B fp4 (sB), A fp4 (sA), scale slices [SFA | SFB] (sSF); with the prepass A and SFA are
         # not loaded.
         self.a_stage_bytes = 0 if self.prepass else self.A_BYTES
         self.sfa_in_stage = 0
         self.sfb_in_stage = 0 if self.prepass else self.SF_BYTES
-        self.sf_stage_bytes = self.sfb_in_stage + self.SF_BYTES * blocks_per_wg
+        self.sf_stage_bytes = self.sfb_in_stage + self.SF_BYTES
         self.stage_bytes = self.b_bytes + self.a_stage_bytes + self.sf_stage_bytes  # the TMA bytes of a stage
         # fp16 A buffers: as many as fit beside the stages and the epilogue slabs (barriers and alignment
         # padding in SMEM_SLACK), at most 4: 3 of 48 KB (m_exact up to 192 rows, or no prepass), 4 of 32 KB
@@ -2596,8 +2670,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         self.threads = 512
         self.producer_regs = 24
         # With the prepass the transform warpgroup is idle and gives its registers to the consumers:
-        # 128 x (24 + 24) + 256 x 232 = 65536. NOTES: the widest accumulators (64 x 192 of m_exact, 2 x 64 x 128
-        # of bpw 2) need them: with 208, ptxas serializes every wgmma (C7512) or spills.
+        # 128 x (24 + 24) + 256 x 232 = 65536. NOTES: the widest accumulator (64 x 192 of m_exact) needs them: with 208, ptxas serializes every wgmma (C7512) or spills.
         self.transform_regs = 24 if self.prepass else 64
         self.consumer_regs = 232 if self.prepass else 208
 
@@ -2608,13 +2681,19 @@ class Sm90BlockScaledGroupedGemmKernel:
                 sizes[group, int(SizeColumn.K)])
 
     @staticmethod
-    def a16_offset(num_groups: int) -> int:
-        """Byte offset of the fp16 A region in the workspace (after the descriptor rows; prepass only)."""
+    def sync_offset(num_groups: int) -> int:
+        """Byte offset of the grid-barrier words in the workspace (after the descriptor rows)."""
         return num_groups * len(Sm90TensorMapSlot) * TENSORMAP_BYTES
 
     @staticmethod
+    def a16_offset(num_groups: int) -> int:
+        """Byte offset of the fp16 A region in the workspace (after the grid-barrier words; prepass only)."""
+        return Sm90BlockScaledGroupedGemmKernel.sync_offset(num_groups) + SM90_SYNC_BYTES
+
+    @staticmethod
     def workspace_bytes(config: "Sm90GemmConfig", problem_sizes) -> int:
-        """Descriptor rows, then (prepass) every group's A as fp16, M x K x 2 bytes each."""
+        """Descriptor rows, the grid-barrier words, then (prepass) every group's A as fp16, M x K x 2 bytes
+        each."""
         a16 = sum(m * k * 2 for m, _, k, _ in problem_sizes) if config.a16_prepass else 0
         return Sm90BlockScaledGroupedGemmKernel.a16_offset(len(problem_sizes)) + a16
 
@@ -2684,6 +2763,16 @@ class Sm90BlockScaledGroupedGemmKernel:
             cute.make_layout((n_size, m_size), stride=(1, n_size)))
         return a_tensor, b_tensor, c_tensor
 
+    @cute.jit
+    def prepare_workspace(self, tensormaps: cute.Tensor, group):
+        """`GroupTensormapKernel`'s extra step (once per input set, ahead of the first GEMM on this workspace):
+        zero the grid-barrier words of the fused A conversion."""
+        if cutlass.const_expr(self.fused_convert):
+            if group == 0 and cute.arch.lane_idx() == 0:
+                sync = tensormaps.iterator.toint() + self.sync_offset(self.num_groups)
+                st_global_u32(sync, cutlass.Uint32(0))
+                st_global_u32(sync + 4, cutlass.Uint32(0))
+
     def a16_outer(self, width: int, num_buffers: int):
         """The fp16 A buffers seen by a tile of `width` rows (the wgmma B operand, K-major, 128-byte swizzle
         applied on top): rows 0..width-1 of every 64-k half of every buffer. A buffer holds tile_m rows per
@@ -2733,12 +2822,13 @@ class Sm90BlockScaledGroupedGemmKernel:
         storage = smem.allocate(self.shared_storage)
 
         # ---- pipelines: stage ring (producer TMA -> consumers, and the transform warpgroup without the
-        # prepass) and fp16 A ring (producer TMA with the prepass, else the transform warpgroup -> consumers)
+        # prepass; every reading thread releases, `release_read_stage`) and fp16 A ring (producer TMA with the
+        # prepass, else the transform warpgroup -> consumers)
         consumer_warps = 8 if cutlass.const_expr(self.prepass) else 12
         stage_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.stage_bars.data_ptr(), num_stages=self.num_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * consumer_warps),
             tx_count=self.stage_bytes, defer_sync=True)
         # A-ring releases per buffer: one per consumer warp (TMA pipeline) or per consumer thread (PipelineAsync)
         a16_releases = 8 if cutlass.const_expr(self.prepass) else 256
@@ -2764,6 +2854,14 @@ class Sm90BlockScaledGroupedGemmKernel:
         pipeline.pipeline_init_wait()
         if cutlass.const_expr(self.config.use_pdl):
             cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(self.fused_convert):
+            # ---- phase 1: every thread of every CTA converts its share of A to fp16 in the workspace; the
+            # producer waits for the whole grid's share (`producer`) before its first fp16 A load.
+            workspace = tensormaps.iterator.toint()
+            sm90_convert_a_items(ptrs, sizes, workspace + self.a16_offset(self.num_groups), self.num_groups,
+                                 bid * self.threads + tidx, grid * self.threads)
+            fence_global_for_async_proxy()
+            cute.arch.barrier()  # the CTA's conversion is done before its arrival on the grid barrier
 
         # ---- shared-memory views and their TMA partitions ----------------------------------------------
         tma_a, tma_b, tma_c = atoms
@@ -2859,6 +2957,13 @@ class Sm90BlockScaledGroupedGemmKernel:
         # does not load A into it)
         a16_pipes = [with_tx_count(a16_pipe, width * self.k_chunk * 2) if cutlass.const_expr(self.prepass)
                      else a16_pipe for width in self.widths]
+        if cutlass.const_expr(self.fused_convert):
+            # this CTA's arrival (its conversion is done: the kernel's barrier after phase 1), then every CTA's
+            if cute.arch.lane_idx() == 0:
+                sm90_grid_arrive_and_wait(descriptors.tensormaps.iterator.toint() + self.sync_offset(self.num_groups),
+                                          cutlass.Uint32(grid - 1))
+            cute.arch.sync_warp()
+            fence_global_for_async_proxy()  # the other CTAs' fp16 A, written by the generic proxy, before TMA loads
         chunk = cutlass.Int32(0)
         last_g = cutlass.Int32(-1)
         scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
@@ -2909,11 +3014,9 @@ class Sm90BlockScaledGroupedGemmKernel:
                 if cutlass.const_expr(not self.prepass):
                     cute.copy(sf_atom, byte_tensor(sfa + sfa_row + sf_off, self.SF_BYTES, gmem=True),
                               byte_tensor(sf_stage + self.sfa_in_stage, self.SF_BYTES), mbar_ptr=full)
-                for nb in cutlass.range_constexpr(self.bpw):
-                    sfb_row = cutlass.Int64((n_tile * self.bpw + nb) * rest_k) * 512
-                    cute.copy(sf_atom, byte_tensor(sfb + sfb_row + sf_off, self.SF_BYTES, gmem=True),
-                              byte_tensor(sf_stage + self.sfb_in_stage + nb * self.SF_BYTES, self.SF_BYTES),
-                              mbar_ptr=full)
+                sfb_row = cutlass.Int64(n_tile * rest_k) * 512
+                cute.copy(sf_atom, byte_tensor(sfb + sfb_row + sf_off, self.SF_BYTES, gmem=True),
+                          byte_tensor(sf_stage + self.sfb_in_stage, self.SF_BYTES), mbar_ptr=full)
             if cutlass.const_expr(self.prepass):
                 # fp16 A of this chunk: box_rows-row boxes of each 64-k half into the ring's next fp16 A buffer,
                 # once the consumers have retired the wgmmas that read its previous contents.
@@ -2953,7 +3056,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                 words = [ld_shared_v4(stage_a + a_row_off + ((16 * qq) ^ a_swz16)) for qq in range(4)]
                 sf_a = smem.sf + state.index * self.sf_stage_bytes + self.sfa_in_stage + sfa_off
                 sf = [ld_shared_u32(sf_a + 512 * sub) for sub in range(2)]
-                stage_pipe.consumer_release(state)
+                release_read_stage(stage_pipe, state)
                 a16_pipe.producer_acquire(a16_state)
                 a16 = smem.a16 + a16_state.index * self.a16_bytes + a16_row
                 for t in cutlass.range_constexpr(4):
@@ -2985,10 +3088,10 @@ class Sm90BlockScaledGroupedGemmKernel:
         tiled_mmas = [sm90_utils.make_trivial_tiled_mma(
             cutlass.Float16, cutlass.Float16, _OperandMajorMode.K, _OperandMajorMode.K, cutlass.Float32,
             (1, 1, 1), (64, width), warpgroup.OperandSource.RMEM) for width in self.widths]
-        # (MMA, MMA_M, MMA_K=2): register-sourced wgmma A operand for a quarter chunk (32 k), per block,
-        # two buffers (even / odd quarter); the same shape for every width
+        # (MMA, MMA_M, MMA_K=2): register-sourced wgmma A operand for a quarter chunk (32 k), two buffers (even
+        # / odd quarter); the same shape for every width
         frag_shape = tiled_mmas[0].partition_shape_A((64, 32))
-        frags = [[cute.make_rmem_tensor(frag_shape, cutlass.Float16) for _ in range(2)] for _ in range(self.bpw)]
+        frags = [cute.make_rmem_tensor(frag_shape, cutlass.Float16) for _ in range(2)]
         # Warp 0 of each consumer warpgroup stores its slab. The DSL does not elect a lane for the TMA store (the
         # PTX has every lane of the warp issue it); with warp-uniform operands the SASS issues it once per warp.
         c_store = pipeline.PipelineTmaStore.create(
@@ -3000,7 +3103,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         # B: rows r, r + 8 of each 64-row block (r + 8 and r + 64 keep the SW64 swizzle and the scale-slice
         # position: +512 / +4096 bytes of B, +128 / +8 bytes of SFB), 16-byte column chunk q.
         q = lane % 4
-        b_row = 64 * self.bpw * wg + 16 * w + lane // 4
+        b_row = 64 * wg + 16 * w + lane // 4
         b_off = b_row * 64 + 16 * (q ^ ((b_row >> 1) & 3))
         sfb_off = (b_row // 128) * self.SF_BYTES + (q // 2) * 512 + (b_row % 32) * 16 + ((b_row // 32) % 4) * 4
         b_sel = cutlass.Uint32((4 << 12) | (4 << 4)) | cutlass.Uint32(2 * (q % 2) * 0x101)
@@ -3031,54 +3134,50 @@ class Sm90BlockScaledGroupedGemmKernel:
     def consume_tile(self, width: int, tiled_mma, sA16, frags, chunk, k_size, desc_c, m0, n_tile, wg, w, tid,
                      stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store, epilogue_barrier, smem, b_off, sfb_off,
                      b_sel):
-        """One tile of `width` rows of A: the K loop into accumulators (64 n x width m per block), then the
+        """One tile of `width` rows of A: the K loop into the accumulator (64 n x width m), then the
         epilogue (fp16 slabs of at most 128 m x 64 n, TMA-stored as box_rows-row boxes of C^T)."""
         lane = tid % 32
         thr_mma = tiled_mma.get_slice(tid)
         # (MMA, MMA_N, MMA_K, A16 buffer)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sA16))
-        # (MMA, MMA_M, MMA_N) per 64-row block of B
-        accs = [cute.make_rmem_tensor(tiled_mma.partition_shape_C((64, width)), cutlass.Float32)
-                for _ in range(self.bpw)]
+        # (MMA, MMA_M, MMA_N): this warpgroup's 64 rows of B by the tile's rows of A
+        acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((64, width)), cutlass.Float32)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        for blk in cutlass.range_constexpr(self.bpw):
-            accs[blk].fill(0.0)
+        acc.fill(0.0)
         num_chunks = k_size // self.k_chunk
         for c in range(num_chunks):
             # NOTES: branch-free on purpose: a dynamic `if` between wgmma groups makes ptxas wait for every
             # wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the SASS): the MMAs serialize.
             first = cutlass.Int32(c == 0)
-            self.consume_chunk(chunk + c, first, frags, accs, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
+            self.consume_chunk(chunk + c, first, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
                                sfb_off, b_sel)
         warpgroup.wait_group(0)
         a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
 
-        # Epilogue: per block and per pass of at most 128 rows of A, acc -> fp16 slab [m][n] in shared
-        # memory -> TMA stores of box_rows x 64 boxes.
+        # Epilogue: per pass of at most 128 rows of A, acc -> fp16 slab [m][n] in shared memory -> TMA stores
+        # of box_rows x 64 boxes.
         c_slab = smem.c + wg * self.C_BYTES
-        for blk in cutlass.range_constexpr(self.bpw):
-            n0 = n_tile * self.tile_n + 64 * (self.bpw * wg + blk)
-            for p in cutlass.range_constexpr((width + 127) // 128):
-                rows = min(128, width - 128 * p)
-                if w == 0:
-                    c_store.producer_acquire()  # the previous store has read the slab (no-op when none is pending)
-                cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
-                acc = accs[blk]
-                # value v of the accumulator: n 16 w + lane / 4 + 8 ((v / 2) % 2), m 2 (lane % 4) + v % 2 + 8 (v / 4)
-                for v in cutlass.range_constexpr(64 * p, 64 * p + rows // 2):
-                    n_local = 16 * w + lane // 4 + 8 * ((v // 2) % 2)
-                    m_local = 2 * (lane % 4) + (v % 2) + 8 * (v // 4) - 128 * p
-                    st_shared_f16_scaled(c_slab + (m_local * 64 + n_local) * 2, acc[v])
-                fence_smem_for_async_proxy()
-                cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
-                if w == 0:
-                    for j in cutlass.range_constexpr(rows // self.box_rows):
-                        cute.copy(tma_c, tCsC[(None, j, wg)],
-                                  tCgC[(None, n0 // 64, (m0 + 128 * p) // self.box_rows + j)], tma_desc_ptr=desc_c)
-                    c_store.producer_commit()
+        n0 = n_tile * self.tile_n + 64 * wg
+        for p in cutlass.range_constexpr((width + 127) // 128):
+            rows = min(128, width - 128 * p)
+            if w == 0:
+                c_store.producer_acquire()  # the previous store has read the slab (no-op when none is pending)
+            cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
+            # value v of the accumulator: n 16 w + lane / 4 + 8 ((v / 2) % 2), m 2 (lane % 4) + v % 2 + 8 (v / 4)
+            for v in cutlass.range_constexpr(64 * p, 64 * p + rows // 2):
+                n_local = 16 * w + lane // 4 + 8 * ((v // 2) % 2)
+                m_local = 2 * (lane % 4) + (v % 2) + 8 * (v // 4) - 128 * p
+                st_shared_f16_scaled(c_slab + (m_local * 64 + n_local) * 2, acc[v])
+            fence_smem_for_async_proxy()
+            cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
+            if w == 0:
+                for j in cutlass.range_constexpr(rows // self.box_rows):
+                    cute.copy(tma_c, tCsC[(None, j, wg)],
+                              tCgC[(None, n0 // 64, (m0 + 128 * p) // self.box_rows + j)], tma_desc_ptr=desc_c)
+                c_store.producer_commit()
 
     @cute.jit
-    def consume_chunk(self, chunk, first, frags, accs, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
+    def consume_chunk(self, chunk, first, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
                       sfb_off, b_sel):
         state = ring_state(chunk, self.num_stages)
         a16_state = ring_state(chunk, self.num_a16)
@@ -3086,12 +3185,11 @@ class Sm90BlockScaledGroupedGemmKernel:
         stage_b = smem.b + state.index * self.b_bytes
         sf_b = smem.sf + state.index * self.sf_stage_bytes + self.sfb_in_stage
 
-        # -- this thread's B rows (r, r + 8 of each block) and their scale words; then release the stage
-        b_rows = [(blk, half) for blk in range(self.bpw) for half in range(2)]
-        b_words = [ld_shared_v4(stage_b + b_off + 4096 * blk + 512 * half) for blk, half in b_rows]
-        b_sf = [ld_shared_u32(sf_b + sfb_off + 8 * blk + 128 * half) for blk, half in b_rows]
-        stage_pipe.consumer_release(state)
-        b_sc = [[scale_to_f16x2(b_sf[r], b_sel + e * 0x101) for e in range(2)] for r in range(2 * self.bpw)]
+        # -- this thread's B rows (r, r + 8) and their scale words; then release the stage
+        b_words = [ld_shared_v4(stage_b + b_off + 512 * half) for half in range(2)]
+        b_sf = [ld_shared_u32(sf_b + sfb_off + 128 * half) for half in range(2)]
+        release_read_stage(stage_pipe, state)
+        b_sc = [[scale_to_f16x2(b_sf[r], b_sel + e * 0x101) for e in range(2)] for r in range(2)]
         a16_pipe.consumer_wait(a16_state)
         # The previous chunk's fp16 A buffer, released at t == 1 below once its wgmmas have retired. A tile's
         # first chunk releases the spare barrier after the ring instead (index num_a16): the tile before
@@ -3100,26 +3198,24 @@ class Sm90BlockScaledGroupedGemmKernel:
             self.num_a16, chunk, first * self.num_a16 + (1 - first) * ((chunk + self.num_a16 - 1) % self.num_a16), 0)
 
         # -- per quarter (32 k = word t of each row): dequantize into the register fragment and issue
-        # 2 k-steps of wgmma per block; a fragment buffer is rewritten two quarters later.
+        # 2 k-steps of wgmma; a fragment buffer is rewritten two quarters later.
         for t in cutlass.range_constexpr(4):
             warpgroup.wait_group(1)
             if t == 1:
                 # every wgmma of the previous chunk has retired: its fp16 A buffer can be refilled
                 a16_pipe.consumer_release(prev_state)
-            for blk in cutlass.range_constexpr(self.bpw):
-                frag_u32 = cute.recast_tensor(frags[blk][t % 2], cutlass.Uint32)
-                o0 = fp4x8_to_f16x2x4(b_words[2 * blk][t], b_sc[2 * blk][t // 2])
-                o1 = fp4x8_to_f16x2x4(b_words[2 * blk + 1][t], b_sc[2 * blk + 1][t // 2])
-                for i in cutlass.range_constexpr(4):
-                    step = i // 2
-                    slot = i % 2
-                    frag_u32[4 * step + 2 * slot] = o0[i]
-                    frag_u32[4 * step + 2 * slot + 1] = o1[i]
+            frag_u32 = cute.recast_tensor(frags[t % 2], cutlass.Uint32)
+            o0 = fp4x8_to_f16x2x4(b_words[0][t], b_sc[0][t // 2])
+            o1 = fp4x8_to_f16x2x4(b_words[1][t], b_sc[1][t // 2])
+            for i in cutlass.range_constexpr(4):
+                step = i // 2
+                slot = i % 2
+                frag_u32[4 * step + 2 * slot] = o0[i]
+                frag_u32[4 * step + 2 * slot + 1] = o1[i]
             warpgroup.fence()
-            for blk in cutlass.range_constexpr(self.bpw):
-                for step in cutlass.range_constexpr(2):
-                    cute.gemm(tiled_mma, accs[blk], frags[blk][t % 2][(None, None, step)],
-                              tCrB[(None, None, 2 * t + step, a16_state.index)], accs[blk])
+            for step in cutlass.range_constexpr(2):
+                cute.gemm(tiled_mma, acc, frags[t % 2][(None, None, step)],
+                          tCrB[(None, None, 2 * t + step, a16_state.index)], acc)
             warpgroup.commit_group()
 
 
@@ -3329,7 +3425,7 @@ def kernel_parts(config) -> tuple:
     """The compiled kernels a variant launches: the GEMM, the descriptor preparation where it has one (once
     per input set), and the Hopper A prepass (every call, before the GEMM) where the config asks for it."""
     if isinstance(config, Sm90GemmConfig):
-        return ("gemm", "tensormaps", "convert") if config.a16_prepass else ("gemm", "tensormaps")
+        return ("gemm", "tensormaps", "convert") if config.a16_prepass and not config.a16_fused else ("gemm", "tensormaps")
     if isinstance(config, Sm100PersistentConfig) and config.descriptors_up_front:
         return ("gemm", "tensormaps")
     return ("gemm",)

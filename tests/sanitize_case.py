@@ -1,0 +1,44 @@
+"""The workload of tests/test_gpu_sanitizer.py, run under compute-sanitizer in its own process.
+
+`python tests/sanitize_case.py VARIANT [VARIANT ...]`: for each Hopper variant, two multi-group inputs (the
+case that first showed a racecheck hazard, and one whose rings wrap many times with group changes in every
+CTA), outputs poisoned with NaN, checked against the reference after the run. Exits 1 on a wrong result.
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import reference  # noqa: E402
+import submission  # noqa: E402
+
+CASES = (
+    # the hazard's reproducer: three groups, the 768-k one wraps the stage ring
+    dict(m=(1, 129, 200), n=(384, 256, 128), k=(512, 256, 768), g=3, seed=8),
+    # more groups than fit one tile per CTA, long K: every ring wraps, tiles change group inside a CTA
+    dict(m=(40, 72, 200, 7, 130, 64), n=(256, 512, 128, 384, 256, 128), k=(2048, 1024, 768, 512, 1536, 256),
+         g=6, seed=21),
+)
+
+
+def main(variants) -> int:
+    bad = 0
+    for variant in variants:
+        submission.set_sm90_variant(variant)
+        for case in CASES:
+            data = reference.generate_input(**case)
+            abc, sfs, sfs_r, sizes = data
+            expect = ([tuple(t.clone() for t in x) for x in abc], sfs, sfs_r, list(sizes))
+            for _, _, c in abc:
+                c.fill_(float("nan"))
+            out = submission.custom_kernel(data)
+            torch.cuda.synchronize()
+            ok, message = reference.check_implementation(expect, out)
+            print(f"{variant} {case['m']}: {'ok' if ok else 'WRONG ' + message}", flush=True)
+            bad += not ok
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

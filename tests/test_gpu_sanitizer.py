@@ -1,0 +1,70 @@
+"""compute-sanitizer's racecheck, synccheck and memcheck on the Hopper kernel, multi-group inputs, every kept
+Hopper variant (tests/sanitize_case.py is the workload; each tool runs it in its own process).
+
+Fails on any reported hazard or error, or on a wrong result. Skipped without an sm_90 GPU, the DSL, or
+compute-sanitizer. memcheck does not count host API errors (`--report-api-errors no`): DSL 4.8's own driver
+probing returns invalid-value from cuGetProcAddress once per compile; device-side errors are what it is for.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import cuda_capability
+
+ROOT = Path(__file__).resolve().parent.parent
+try:
+    import cutlass  # noqa: F401
+    HAVE_DSL = True
+except ImportError:
+    HAVE_DSL = False
+
+
+def _sanitizer():
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for base in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+        candidate = Path(base, "bin", "compute-sanitizer")
+        if base and candidate.exists():
+            return str(candidate)
+    return None
+
+
+SANITIZER = _sanitizer()
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (cuda_capability() == (9, 0) and HAVE_DSL), reason="needs an sm_90 GPU and the DSL"),
+              pytest.mark.skipif(SANITIZER is None, reason="compute-sanitizer not found")]
+
+TOOLS = {
+    "racecheck": ["--tool", "racecheck", "--racecheck-report", "hazard"],
+    "synccheck": ["--tool", "synccheck"],
+    "memcheck": ["--tool", "memcheck", "--report-api-errors", "no"],
+}
+
+
+def _variants():
+    import submission
+
+    return list(submission.SM90_VARIANT_CONFIGS)
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
+def test_sanitizer_clean(tool):
+    cmd = [SANITIZER, *TOOLS[tool], "--error-exitcode", "97", sys.executable,
+           str(ROOT / "tests" / "sanitize_case.py"), *_variants()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    log = proc.stdout + proc.stderr
+    tail = "\n".join(log.splitlines()[-40:])
+    assert "WRONG" not in log, tail
+    summary = re.search(r"ERROR SUMMARY: (\d+) error", log)
+    assert summary is not None, f"no sanitizer summary (rc {proc.returncode}):\n{tail}"
+    assert int(summary.group(1)) == 0, tail
+    if tool == "racecheck":
+        hazards = re.search(r"RACECHECK SUMMARY: (\d+) hazard", log)
+        assert hazards is None or int(hazards.group(1)) == 0, tail
+    assert proc.returncode == 0, tail
