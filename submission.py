@@ -88,7 +88,6 @@ import functools
 import heapq
 import importlib.metadata
 import os
-import warnings
 from collections import OrderedDict, deque
 from operator import is_
 from typing import Callable, Optional
@@ -425,8 +424,10 @@ class Sm90GemmConfig:
       warpgroup converts A in every CTA that needs it (once per N tile).
     a16_fused: with a16_prepass, the conversion is the first phase of the GEMM's own launch (every CTA converts
       its share, then a grid-wide barrier, `sm90_grid_arrive_and_wait`, orders it before the first fp16 A
-      load): one launch per call. False: `Sm90AConvertKernel` runs as a launch of its own before the GEMM
-      (kept as the measured comparison, docs/HOPPER_NOTES.md v16).
+      load): one launch per call, host cost per cached call that of a single-launch variant (H200: 5.2 vs
+      9.5 us). Off by default: on the GPU it measured 7.5 / 11 / 0.4 / 1.5 us slower per call than the
+      separate `Sm90AConvertKernel` launch (docs/HOPPER_NOTES.md v16; cause not yet found). Correct and
+      sanitizer-clean on an H200; tests/test_gpu_hopper.py keeps running it.
     m_exact: M-exact tiles (with a16_prepass): a tile covers one M split of a group, as wide as the
       split rounded up to one of SM90_WIDTHS (the wgmma N), so a group of M <= 192 is one tile row and B is
       converted once per split instead of once per 128 rows; the host plans the splits and a cost-balanced
@@ -439,7 +440,7 @@ class Sm90GemmConfig:
     num_stages: int = 0
     use_pdl: bool = USE_PDL  # programmatic dependent launch
     a16_prepass: bool = False
-    a16_fused: bool = True
+    a16_fused: bool = False
     m_exact: bool = False
     max_width: int = SM90_WIDTHS[-1]
 
@@ -2511,7 +2512,7 @@ SM90_SYNC_BYTES = 128
 def sm90_a16_group_offset(sizes: cute.Tensor, group, num_groups: cutlass.Constexpr[int]) -> cutlass.Int64:
     """Byte offset of group `group`'s fp16 A (M x K x 2 bytes, groups in order) in a Hopper prepass
     workspace: after the descriptor rows and the grid-barrier words (`Sm90BlockScaledGroupedGemmKernel.a16_offset`)."""
-    offset = cutlass.Int64(num_groups * len(Sm90TensorMapSlot) * TENSORMAP_BYTES + SM90_SYNC_BYTES)
+    offset = cutlass.Int64(Sm90BlockScaledGroupedGemmKernel.a16_offset(num_groups))
     for i in cutlass.range(group, unroll=1):
         offset = offset + cutlass.Int64(sizes[i, int(SizeColumn.M)]) * sizes[i, int(SizeColumn.K)] * 2
     return offset
@@ -2560,14 +2561,27 @@ class Sm90AConvertKernel:
 def sm90_convert_a_items(ptrs: cute.Tensor, sizes: cute.Tensor, a16_base, num_groups: cutlass.Constexpr[int],
                          first, stride):
     """Items first, first + stride, ... of every group (`Sm90AConvertKernel` says what an item is): the
-    GEMM's fused conversion, each of its threads a strided share."""
+    GEMM's fused conversion, each of its threads a strided share.
+
+    NOTES: lane j of each warp loads group g0 + j's sizes and the group loop takes them by shuffle: a size
+    load per group in the loop put G dependent global loads on every thread's path (measured: +7 / +11 us
+    on the two G = 8 benchmarks)."""
+    lane = cute.arch.lane_idx()
     group_base = a16_base
-    for g in cutlass.range(num_groups, unroll=1):
-        m = sizes[g, int(SizeColumn.M)]
-        k = sizes[g, int(SizeColumn.K)]
-        for item in cutlass.range(first, m * (k // 128) * 4, stride, unroll=1):
-            sm90_convert_a_item(ptrs, g, k, item, group_base)
-        group_base = group_base + cutlass.Int64(m) * k * 2
+    for g0 in cutlass.range(0, num_groups, 32, unroll=1):
+        lane_m = cutlass.Int32(0)
+        lane_k = cutlass.Int32(0)
+        if g0 + lane < num_groups:
+            lane_m = sizes[g0 + lane, int(SizeColumn.M)]
+            lane_k = sizes[g0 + lane, int(SizeColumn.K)]
+        for j in cutlass.range(0, min(32, num_groups), unroll=1):
+            g = g0 + j
+            m = cute.arch.shuffle_sync(lane_m, j)
+            k = cute.arch.shuffle_sync(lane_k, j)
+            if g < num_groups:
+                for item in cutlass.range(first, m * (k // 128) * 4, stride, unroll=2):
+                    sm90_convert_a_item(ptrs, g, k, item, group_base)
+                group_base = group_base + cutlass.Int64(m) * k * 2
 
 
 @cute.jit
@@ -2687,8 +2701,9 @@ class Sm90BlockScaledGroupedGemmKernel:
 
     @staticmethod
     def a16_offset(num_groups: int) -> int:
-        """Byte offset of the fp16 A region in the workspace (after the grid-barrier words; prepass only)."""
-        return Sm90BlockScaledGroupedGemmKernel.sync_offset(num_groups) + SM90_SYNC_BYTES
+        """Byte offset of the fp16 A region in the workspace (after the grid-barrier words, 1024-aligned as the
+        region was before the barrier words came: measured 0.7-2 % slower with 128; prepass only)."""
+        return ceil_div(Sm90BlockScaledGroupedGemmKernel.sync_offset(num_groups) + SM90_SYNC_BYTES, 1024) * 1024
 
     @staticmethod
     def workspace_bytes(config: "Sm90GemmConfig", problem_sizes) -> int:
@@ -3304,10 +3319,13 @@ def _tvm_ffi_importable() -> bool:
 # "prepacked": the DSL's ctypes entry, with the argument array packed once per prepared call; each launch
 #     is one ctypes call into the compiled host function.
 # "dsl": the DSL's documented call path (`generate_execution_args` once, `run_compiled_program` per call).
-# Default: "tvm_ffi" where the package imports, else "prepacked"; NVFP4_LAUNCH_PATH overrides it.
+# Default: "prepacked" on every DSL version; NVFP4_LAUNCH_PATH or set_launch_path choose another.
+# NOTES: measured host time per cached call, H200 host, one process per DSL: 4.5.2 (the runner's today, which
+# has no apache-tvm-ffi anyway) prepacked 5.04 us vs tvm_ffi 7.62; 4.3.5 and 4.8.1 within noise of each other
+# (docs/HISTORY.md). So "tvm_ffi" is opt-in, not the default where the package happens to import.
 LAUNCH_PATHS = ("tvm_ffi", "prepacked", "dsl")
-_LAUNCH_PATH_CHOSEN = bool(os.environ.get("NVFP4_LAUNCH_PATH"))  # by the user: never replaced
-LAUNCH_PATH = _choice_from_env("NVFP4_LAUNCH_PATH", "tvm_ffi" if _tvm_ffi_importable() else "prepacked", LAUNCH_PATHS)
+DEFAULT_LAUNCH_PATH = "prepacked"
+LAUNCH_PATH = _choice_from_env("NVFP4_LAUNCH_PATH", DEFAULT_LAUNCH_PATH, LAUNCH_PATHS)
 
 
 def set_launch_path(name: str) -> None:
@@ -3320,20 +3338,8 @@ def set_launch_path(name: str) -> None:
 
 
 def compiled_gemm(num_groups: int, arch: str, config) -> Callable:
-    """The compiled GEMM for LAUNCH_PATH. When the default "tvm_ffi" path fails to build (an apache-tvm-ffi
-    the DSL cannot use), the process warns once and moves to "prepacked"; a path the user chose is kept
-    and its error raised."""
-    global LAUNCH_PATH
-    try:
-        return compiled_kernel(compile_key(num_groups, arch, config, "gemm"))
-    except Exception as error:
-        if LAUNCH_PATH != "tvm_ffi" or _LAUNCH_PATH_CHOSEN or not torch.cuda.is_available():
-            raise
-        warnings.warn(f"building the TVM-FFI launch failed ({type(error).__name__}: {error}); launching through "
-                      "the DSL's ctypes entry instead (NVFP4_LAUNCH_PATH=prepacked), which costs more host time "
-                      "per call", RuntimeWarning)
-        LAUNCH_PATH = "prepacked"
-        return compiled_kernel(compile_key(num_groups, arch, config, "gemm"))
+    """The compiled GEMM for LAUNCH_PATH (a failed build raises; no path is ever swapped for another)."""
+    return compiled_kernel(compile_key(num_groups, arch, config, "gemm"))
 
 
 def _launch_abi() -> str:

@@ -130,9 +130,9 @@ def test_import_takes_the_launch_path_from_the_environment(fresh_imports):
     assert _probe(fresh_imports["dsl"])["launch_path"] == "dsl"
 
 
-def test_import_default_is_tvm_ffi_exactly_when_it_imports(fresh_imports):
+def test_import_default_is_prepacked_whether_or_not_tvm_ffi_imports(fresh_imports):
     probe = _probe(fresh_imports[None])
-    assert probe["launch_path"] == ("tvm_ffi" if probe["tvm_ffi_imports"] else "prepacked")
+    assert probe["launch_path"] == "prepacked"
     assert probe["tvm_ffi_imports"] == HAVE_TVM_FFI  # the same interpreter as this one
 
 
@@ -385,20 +385,9 @@ def _failing_tvm_ffi_compile(monkeypatch):
     return built
 
 
-def test_default_tvm_ffi_falls_back_to_prepacked_with_a_warning(launch_path, monkeypatch):
+def test_a_failing_tvm_ffi_build_raises_and_keeps_the_path(launch_path, monkeypatch):
     built = _failing_tvm_ffi_compile(monkeypatch)
     monkeypatch.setattr(submission, "LAUNCH_PATH", "tvm_ffi")
-    monkeypatch.setattr(submission, "_LAUNCH_PATH_CHOSEN", False)
-    with pytest.warns(RuntimeWarning, match="TVM-FFI launch failed.*ABI mismatch"):
-        kernel = submission.compiled_gemm(2, "sm_90a", submission.SM90_VARIANT_CONFIGS["sm90_tile128"])
-    assert kernel == "ctypes kernel" and built == ["tvm_ffi", "ctypes"]
-    assert submission.LAUNCH_PATH == "prepacked" and submission._launch_abi() == "ctypes"
-
-
-def test_a_chosen_tvm_ffi_path_raises_instead(launch_path, monkeypatch):
-    built = _failing_tvm_ffi_compile(monkeypatch)
-    monkeypatch.setattr(submission, "LAUNCH_PATH", "tvm_ffi")
-    monkeypatch.setattr(submission, "_LAUNCH_PATH_CHOSEN", True)
     with pytest.raises(RuntimeError, match="ABI mismatch"):
         submission.compiled_gemm(2, "sm_90a", submission.SM90_VARIANT_CONFIGS["sm90_tile128"])
     assert built == ["tvm_ffi"] and submission.LAUNCH_PATH == "tvm_ffi"
