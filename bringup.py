@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-import eval as ev
+import harness
 
 HERE = Path(__file__).resolve().parent
 SUBMISSION = HERE / "submission.py"
@@ -86,7 +86,7 @@ HEADER_LINES = ("#!POPCORN leaderboard nvfp4_group_gemm", "#!POPCORN gpu B200")
 FORBIDDEN_WORD = "stream"  # the runner rejects a file containing it anywhere, in any case
 SIZE_LIMIT_BYTES = 1_000_000
 # Modules of this repository a submission must not import (the runner only has its own task.py).
-LOCAL_MODULES = frozenset({"reference", "utils", "eval", "bench", "bringup"})
+LOCAL_MODULES = frozenset({"reference", "utils", "harness", "eval", "bench", "bringup"})
 
 
 def rule_header(text: str) -> Optional[str]:
@@ -186,7 +186,7 @@ def export_text(text: str, variant: str, b200_variants, sm90_variants) -> str:
 
 
 def export_main(argv: list) -> int:
-    parser = ev.OneLineArgumentParser(prog="eval.py export",
+    parser = harness.OneLineArgumentParser(prog="eval.py export",
                             description="Write a copy of submission.py whose default kernel variant is NAME.")
     parser.add_argument("--variant", required=True, metavar="NAME",
                         help="a B200 variant (submission.KERNEL_VARIANTS) or a Hopper one (SM90_VARIANTS)")
@@ -346,7 +346,7 @@ def job_check(args: dict) -> dict:
     start = time.perf_counter()
     args = {key: tuple(v) if isinstance(v, list) else v for key, v in args.items()}
     data = generate_input(**args)  # the runner's check writes the reference's result into its C tensors
-    run = ev._clone_data(data)
+    run = harness._clone_data(data)
     worst = 0.0
     for call in ("first call", "repeated call"):
         for _, _, c in run[0]:
@@ -371,9 +371,9 @@ def job_check(args: dict) -> dict:
 def job_benchmark(test, max_repeats: int, max_time_ns: float) -> dict:
     """One benchmark with eval.py's (the runner's) method; its obligatory check of all 15 inputs first."""
     start = time.perf_counter()
-    result = ev._run_single_benchmark(test, False, max_repeats, max_time_ns, True)
+    result = harness._run_single_benchmark(test, False, max_repeats, max_time_ns, True)
     seconds = round(time.perf_counter() - start, 2)
-    if isinstance(result, ev.Stats):
+    if isinstance(result, harness.Stats):
         return dict(status="ok", mean_us=result.mean / 1e3, err_us=result.err / 1e3, best_us=result.best / 1e3,
                     worst_us=result.worst / 1e3, runs=result.runs, seconds=seconds)
     return dict(status="fail", error=first_line(result), cuda_ok=_cuda_usable(), seconds=seconds)
@@ -391,7 +391,7 @@ def _worker_main(conn, env: dict, log_path: Optional[str]) -> None:
     import faulthandler
 
     faulthandler.enable()
-    ev._init_worker()
+    harness._init_worker()
     os.environ.update(env)
     while True:
         try:
@@ -538,7 +538,7 @@ QUICK_LIMITS = Limits(start_timeout=180.0, case_timeout=120.0, bench_timeout=120
 
 
 def run_variant(plan: dict, cases: list, benchmarks: list, limits: Limits, start_worker=Worker,
-                log: Callable[[str], None] = ev.progress) -> dict:
+                log: Callable[[str], None] = harness.progress) -> dict:
     """Every case, then (if none failed) every benchmark, of one variant, in workers of its own.
 
     plan: name, env (what selects the variant in a fresh interpreter), selected (the worker must report
@@ -660,7 +660,7 @@ def benchmark_geomean(vres: dict, labels: list) -> Optional[float]:
     times = [vres["benchmarks"].get(label, {}).get("mean_us") for label in labels]
     if not labels or any(t is None or t <= 0 for t in times):
         return None
-    return ev.geomean(times)
+    return harness.geomean(times)
 
 
 def recommend(results: dict, bench_labels: list, kind: str, default_variant: str) -> dict:
@@ -842,7 +842,7 @@ def _finite(value):
 
 
 def bringup_main(argv: list) -> int:
-    parser = ev.OneLineArgumentParser(prog="eval.py bringup",
+    parser = harness.OneLineArgumentParser(prog="eval.py bringup",
                             description="First run on a B200 (or a Hopper GPU): every variant checked and timed.")
     parser.add_argument("--quick", action="store_true",
                         help=f"at most {QUICK_MAX_REPEATS} timing repeats per benchmark and shorter timeouts")
@@ -852,7 +852,7 @@ def bringup_main(argv: list) -> int:
     args, status = _parse(parser, argv)
     if args is None:
         return status
-    problem = ev.gpu_problem()
+    problem = harness.gpu_problem()
     if problem:
         print(f"eval.py bringup: cannot run: {problem}", file=sys.stderr)
         return 2
@@ -887,9 +887,9 @@ def bringup_main(argv: list) -> int:
     if args.timeout:
         limits.case_timeout = args.timeout
     try:
-        tests = ev.load_cases(str(TASK_YML), "tests")
-        bench_cases = ev.load_cases(str(TASK_YML), "benchmarks")
-    except ev.CaseFileError as err:
+        tests = harness.load_cases(str(TASK_YML), "tests")
+        bench_cases = harness.load_cases(str(TASK_YML), "benchmarks")
+    except harness.CaseFileError as err:
         print(f"eval.py bringup: {err}", file=sys.stderr)
         return 2
     started = time.time()
@@ -910,10 +910,10 @@ def bringup_main(argv: list) -> int:
             selected = ("sm90_variant", name)
         plan = dict(name=name, env={variable: name}, selected=selected, tile_n=tile_n,
                     log=str(Path(log_dir) / f"{name}.log"))
-        ev.progress(f"== variant {name} ({len(cases)} cases, {len(benchmarks)} benchmarks)")
+        harness.progress(f"== variant {name} ({len(cases)} cases, {len(benchmarks)} benchmarks)")
         results[name] = run_variant(plan, cases, benchmarks, limits, start_worker=Worker)
     rec = recommend(results, [b.label for b in benchmarks], kind, default)
-    ev.progress(f"bringup took {time.time() - started:.0f} s")
+    harness.progress(f"bringup took {time.time() - started:.0f} s")
     print("\n" + format_report(cases, benchmarks, results, rec, limits, log_dir))
     if args.json:
         document = dict(tool="eval.py bringup", quick=args.quick, arch="sm_100a" if kind == "b200" else "sm_90a",
@@ -944,7 +944,7 @@ def tile_choice_table(num_sms: int = 148) -> str:
     lines = ["| case | G | " + " | ".join(f"{name(row)}: tiles, model µs" for row in rows) + " | chosen |",
              "| --- | --- | " + " | ".join("---" for _ in rows) + " | --- |"]
     for section, label in (("tests", "test"), ("benchmarks", "bench")):
-        for i, case in enumerate(ev.load_cases(str(TASK_YML), section)):
+        for i, case in enumerate(harness.load_cases(str(TASK_YML), section)):
             sizes = [(m, n, k, 1) for m, n, k in zip(case.args["m"], case.args["n"], case.args["k"])]
             cells = []
             for row in rows:

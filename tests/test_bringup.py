@@ -16,6 +16,7 @@ import torch
 
 import bringup
 import eval as ev
+import harness
 import reference
 import submission
 from conftest import ROOT
@@ -619,7 +620,7 @@ def test_bringup_without_a_gpu_exits_2_with_one_line(tmp_path, args):
 
 def test_bringup_end_to_end_on_a_fake_hopper(monkeypatch, tmp_path, capsys):
     # The whole command on fake workers and a fake GPU: environment, cases, plans, report, JSON.
-    monkeypatch.setattr(ev, "gpu_problem", lambda: None)
+    monkeypatch.setattr(harness, "gpu_problem", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
