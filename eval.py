@@ -21,12 +21,17 @@ nvidia-cuda-nvdisasm wheels); `python eval.py compile --help` lists the variants
 
 A mistake (an unknown mode or option, a case file that does not parse, an unknown key in a case) ends in
 one line on stderr naming it and exit status 2 (113 for a bad case file with `POPCORN_FD` set, as the
-runner).
+runner). By hand, and in compile and bringup, a case whose shape the kernel refuses (the size rules of
+submission.can_implement, as submission.check_problem_sizes states them: N a multiple of 128, K of 256, ...)
+is such a mistake too, named with its line before any GPU or build work; with `POPCORN_FD` set the cases go
+to the kernel as the runner's would. `python eval.py MODE --help` lists a mode's options.
 
-`python eval.py bringup [--quick] [--json PATH]` (a B200, or an H100/H200 for the Hopper tiles): the first run
-on a new GPU: the environment, every kernel variant through every task.yml test and edge cases (outputs
-poisoned, each variant in its own worker process with timeouts), the benchmarks of every variant that passed,
-and the fastest passing variant with the one line that makes it the default (bringup.py).
+`python eval.py bringup [--quick] [--json PATH] [--jobs N]` (a B200, or an H100/H200 for the Hopper tiles): the
+first run on a new GPU: the environment; every kernel variant built in parallel worker processes (one per
+core by default), then checked through every task.yml test and edge cases (outputs poisoned, crashes and
+hangs cost one case), with a time-left estimate as it goes; the benchmarks of every variant that passed,
+one at a time (on a B200 beside the tile model's prediction); and the fastest passing variant with the one
+line that makes it the default (bringup.py).
 `python eval.py export --variant NAME -o FILE` needs no GPU: a copy of submission.py whose default variant is
 NAME, checked against the leaderboard's file rules.
 
@@ -439,6 +444,10 @@ def _case_sizes(case: TestCase) -> list[tuple]:
     return [(m, n, k, 1) for m, n, k in zip(case.args["m"], case.args["n"], case.args["k"])]
 
 
+def _looks_like_a_file(token: str) -> bool:
+    return Path(token).exists() or "/" in token or token.endswith((".yml", ".yaml", ".txt"))
+
+
 def _group_counts(items: list[str], cases_given: bool):
     """--groups values -> (group counts, a case file that came last in the list, or an error)."""
     counts, case_file = [], None
@@ -448,7 +457,7 @@ def _group_counts(items: list[str], cases_given: bool):
                 if int(token) < 1:
                     return [], None, f"--groups {token.strip()}: a group count must be at least 1"
                 counts.append(int(token))
-            elif index == len(items) - 1 and "," not in item and not cases_given:
+            elif index == len(items) - 1 and "," not in item and not cases_given and _looks_like_a_file(token):
                 case_file = token  # `--groups 1 16 task.yml`: the list ends where the case file starts
             else:
                 return [], None, f"--groups: {token!r} is not a group count (a positive integer)"
@@ -490,11 +499,8 @@ def compile_main(argv: list[str]) -> int:
                                  f"{', '.join(names[args.arch])}{hint}")
     if args.json and not Path(args.json).resolve().parent.is_dir():
         return usage_error(prog, f"--json {args.json}: directory {Path(args.json).resolve().parent} does not exist")
-    try:
-        if case_file.endswith((".yml", ".yaml")):
-            cases = load_cases(case_file, "tests") + load_cases(case_file, "benchmarks")
-        else:
-            cases = load_cases(case_file, "tests")
+    try:  # both lists of a task.yml, or the one it has; every case against the kernel's shape rules
+        cases = load_cases(case_file, ("tests", "benchmarks"), submission.check_problem_sizes)
     except CaseFileError as err:
         return usage_error(prog, str(err))
     cuobjdump = find_cuobjdump()
@@ -581,6 +587,53 @@ def _submission_problem(variants: Optional[list[str]]) -> Optional[str]:
     return None
 
 
+def size_rule():
+    """(submission.check_problem_sizes, None), or (None, why it cannot be had): the shape rules of the
+    submission's can_implement, which every case read by hand is checked against before any GPU work."""
+    try:
+        import submission
+    except Exception as err:
+        return None, f"cannot import submission.py: {type(err).__name__}: {err}"
+    rule = getattr(submission, "check_problem_sizes", None)
+    if rule is None:
+        return None, "submission.py has no check_problem_sizes(problem_sizes), the size rules of its can_implement"
+    return rule, None
+
+
+MODE_HELP = {
+    "test": "Check the submission on every case of FILE's tests: PASS or FAIL per case, with the runner's check "
+            "(reference.check_implementation, rtol = atol = 1e-3).",
+    "benchmark": "Time every case of FILE's benchmarks with the runner's method (CUDA events around 15 calls on 15 "
+                 "inputs, L2 flushed before each batch, its stop rules): mean ± error in µs, TFLOP/s, GB/s, % of "
+                 "the B200 speed of light where FILE gives it, and the geometric mean.",
+    "leaderboard": "As benchmark, with the leaderboard's re-check of every output after each timed batch.",
+    "profile": "One torch profiler table per case of FILE's benchmarks (the kernels by GPU time).",
+}
+
+
+def mode_parser(mode: str) -> OneLineArgumentParser:
+    """The arguments of a run mode by hand (what `eval.py MODE --help` prints)."""
+    try:
+        import submission
+
+        names = ", ".join(submission.KERNEL_VARIANTS)
+    except Exception:
+        names = "submission.KERNEL_VARIANTS"
+    section = "tests" if mode == "test" else "benchmarks"
+    parser = OneLineArgumentParser(
+        prog=f"eval.py {mode}", add_help=False,
+        description=MODE_HELP[mode] + " Needs a CUDA GPU. Every case is first checked against the kernel's shape "
+                    "rules (submission.check_problem_sizes, those of can_implement): a case it refuses, like a file "
+                    "that does not parse, ends in one line on stderr and exit status 2, before any GPU work.",
+        epilog="With POPCORN_FD set, eval.py speaks the GPU MODE runner's protocol instead (python eval.py --help).")
+    parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"), metavar="FILE",
+                        help=f"task.yml (its '{section}' list; the default) or a runner text file, one case per line")
+    parser.add_argument("--variants", metavar="A,B",
+                        help=f"run the mode once per B200 kernel variant, comma-separated, one table each ({names})")
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    return parser
+
+
 def main(argv: list[str]) -> int:
     fd = os.getenv("POPCORN_FD")
     modes = RUN_MODES + tuple(TOOL_MODES)
@@ -601,21 +654,26 @@ def main(argv: list[str]) -> int:
                                       "(python eval.py --help)")
     if fd:
         return popcorn_main(fd, argv)
+    if mode in TOOL_MODES:  # `eval.py --quick bringup`: options before a tool mode are that mode's
+        rest = list(argv)
+        rest.remove(mode)
+        return TOOL_MODES[mode](rest)
     args = parser.parse_intermixed_args(argv)
     if args.help:
-        print(__doc__)
+        print(mode_parser(mode).format_help(), end="")
         return 0
     variants = [] if args.variants is None else [v for v in args.variants.split(",") if v]
     if args.variants is not None or any(key.startswith("NVFP4_") for key in os.environ):
         problem = _submission_problem(variants if args.variants is not None else None)
         if problem:
             return usage_error("eval.py", problem)
-    case_file = args.cases
+    rule, problem = size_rule()
+    if problem:
+        return usage_error("eval.py", problem)
     try:
-        tests = load_cases(case_file, "tests" if mode == "test" else "benchmarks")
+        tests = load_cases(args.cases, "tests" if mode == "test" else "benchmarks", rule)
     except CaseFileError as err:
-        print(f"eval.py: {err}", file=sys.stderr)
-        return 2
+        return usage_error("eval.py", str(err))
     problem = gpu_problem()
     if problem:
         print(f"eval.py: cannot run '{mode}': {problem}", file=sys.stderr)

@@ -13,7 +13,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 NUM_ITERATIONS_PER_BENCHMARK = 15
 
@@ -96,8 +96,19 @@ def _shown(value) -> str:
     return repr(list(value)) if isinstance(value, tuple) else repr(value)
 
 
-def _check_case(case: TestCase, where: str, extra_keys: tuple = ()) -> TestCase:
-    """Rejects here what generate_input would only trip over later, deep in a worker process."""
+def case_sizes(args: dict) -> list:
+    """The problem sizes of a case, (m, n, k, 1) per group, as the generator makes them."""
+    return [(m, n, k, 1) for m, n, k in zip(args["m"], args["n"], args["k"])]
+
+
+# A submission's size rules: problem sizes -> (ok, reason); submission.check_problem_sizes, the rules of its
+# can_implement without tensors.
+SizesRule = Callable[[list], tuple]
+
+
+def _check_case(case: TestCase, where: str, extra_keys: tuple = (), sizes_rule: Optional[SizesRule] = None) -> TestCase:
+    """Rejects here what generate_input would only trip over later, deep in a worker process, and (with
+    `sizes_rule`) a shape the kernel refuses, before anything is built or run."""
     allowed = GENERATOR_KEYS + extra_keys
     unknown = [key for key in case.args if key not in allowed]
     if unknown:
@@ -115,6 +126,11 @@ def _check_case(case: TestCase, where: str, extra_keys: tuple = ()) -> TestCase:
         val = case.args[key]
         if not isinstance(val, tuple) or len(val) != g or not all(_is_int(x) and x >= least for x in val):
             raise CaseFileError(f"{where}: {key} must be a list of g={g} {kind} integers, not {_shown(val)}")
+    if sizes_rule is not None:
+        ok, reason = sizes_rule(case_sizes(case.args))
+        if not ok:
+            raise CaseFileError(f"{where}: the kernel refuses {_short(case)}: {reason} "
+                                "(submission.can_implement's rule)")
     return case
 
 
@@ -136,7 +152,7 @@ def _yaml_entry_lines(root, section: str) -> list[int]:
     return []
 
 
-def _load_yaml_cases(path: str, content: str, section: str) -> list[TestCase]:
+def _load_yaml_cases(path: str, content: str, sections: tuple, sizes_rule: Optional[SizesRule]) -> list[TestCase]:
     import yaml
 
     try:
@@ -144,31 +160,39 @@ def _load_yaml_cases(path: str, content: str, section: str) -> list[TestCase]:
         document = yaml.safe_load(content)
     except yaml.YAMLError as err:
         raise CaseFileError(_yaml_error(path, err)) from None
+    wanted = " or ".join(f"'{section}'" for section in sections)
     if not isinstance(document, dict):
         found = "empty" if document is None else f"a {type(document).__name__} at the top level"
-        raise CaseFileError(f"{path}: {found}; expected a mapping with a '{section}' list, as in task.yml")
-    entries = document.get(section)
-    if not isinstance(entries, list):
-        found = "" if entries is None else f" ('{section}' is a {type(entries).__name__})"
-        raise CaseFileError(f"{path}: no '{section}' list{found}")
-    lines = _yaml_entry_lines(root, section)
+        raise CaseFileError(f"{path}: {found}; expected a mapping with a {wanted} list, as in task.yml")
+    present = [section for section in sections if document.get(section) is not None]
+    for section in present:
+        if not isinstance(document[section], list):
+            raise CaseFileError(f"{path}: no '{section}' list ('{section}' is a {type(document[section]).__name__})")
+    if not present:
+        raise CaseFileError(f"{path}: no {wanted} list")
     cases = []
-    for i, entry in enumerate(entries):
-        where = f"{path}, line {lines[i]} ({section}[{i}])" if i < len(lines) else f"{path}: {section}[{i}]"
-        if not isinstance(entry, dict):
-            raise CaseFileError(f"{where}: a case must be a mapping of {', '.join(GENERATOR_KEYS)}; found "
-                                f"{entry!r:.60} ({type(entry).__name__})")
-        sol_us = entry.get("sol_us")
-        if sol_us is not None and (isinstance(sol_us, bool) or not isinstance(sol_us, (int, float)) or sol_us <= 0):
-            raise CaseFileError(f"{where}: sol_us must be a positive number of µs, not {sol_us!r}")
-        args = {key: tuple(v) if isinstance(v, list) else v for key, v in entry.items() if key != "sol_us"}
-        case = TestCase(args=args, spec=_spec_of(args), sol_us=sol_us)
-        cases.append(_check_case(case, where, extra_keys=("sol_us",)))
+    for section in present:
+        lines = _yaml_entry_lines(root, section)
+        for i, entry in enumerate(document[section]):
+            where = f"{path}, line {lines[i]} ({section}[{i}])" if i < len(lines) else f"{path}: {section}[{i}]"
+            if not isinstance(entry, dict):
+                raise CaseFileError(f"{where}: a case must be a mapping of {', '.join(GENERATOR_KEYS)}; found "
+                                    f"{entry!r:.60} ({type(entry).__name__})")
+            sol_us = entry.get("sol_us")
+            if sol_us is not None and (isinstance(sol_us, bool) or not isinstance(sol_us, (int, float)) or sol_us <= 0):
+                raise CaseFileError(f"{where}: sol_us must be a positive number of µs, not {sol_us!r}")
+            args = {key: tuple(v) if isinstance(v, list) else v for key, v in entry.items() if key != "sol_us"}
+            case = TestCase(args=args, spec=_spec_of(args), sol_us=sol_us)
+            cases.append(_check_case(case, where, extra_keys=("sol_us",), sizes_rule=sizes_rule))
     return cases
 
 
-def load_cases(path: str, section: str) -> list[TestCase]:
-    """Cases from a task.yml (its `section`: tests or benchmarks) or from a runner text file."""
+def load_cases(path: str, section, sizes_rule: Optional[SizesRule] = None) -> list[TestCase]:
+    """Cases from a task.yml or from a runner text file (one case per line). `section`: the task.yml list to
+    read, "tests" or "benchmarks", or a tuple of them: those of the file's lists that it has, in that order
+    (at least one). `sizes_rule` (submission.check_problem_sizes): a case whose shape it refuses is a
+    CaseFileError naming the case and the rule."""
+    sections = (section,) if isinstance(section, str) else tuple(section)
     try:
         content = Path(path).read_text()
     except OSError as err:
@@ -176,7 +200,7 @@ def load_cases(path: str, section: str) -> list[TestCase]:
     except UnicodeDecodeError:
         raise CaseFileError(f"cannot read case file {path}: not a text file") from None
     if path.endswith((".yml", ".yaml")):
-        cases = _load_yaml_cases(path, content, section)
+        cases = _load_yaml_cases(path, content, sections, sizes_rule)
     else:
         cases = []
         for lineno, line in enumerate(content.splitlines(), start=1):
@@ -185,7 +209,7 @@ def load_cases(path: str, section: str) -> list[TestCase]:
                     case = parse_case_line(line, lineno)
                 except CaseFileError as err:
                     raise CaseFileError(f"{path}, {err}") from None
-                cases.append(_check_case(case, f"{path}, line {lineno}"))
+                cases.append(_check_case(case, f"{path}, line {lineno}", sizes_rule=sizes_rule))
     if not cases:
         raise CaseFileError(f"{path}: no cases")
     return cases
@@ -243,7 +267,9 @@ def geomean(values) -> float:
 # Output and usage mistakes
 # ---------------------------------------------------------------------------------------------------------
 def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    """A line of progress on stderr, written at once (threads of one process may report side by side)."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
