@@ -43,7 +43,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import eval as ev  # noqa: E402  (cases, work counts)
+import harness  # noqa: E402  (cases, work counts)
 import reference  # noqa: E402
 from utils import clear_l2_cache_large, verbose_allclose  # noqa: E402
 
@@ -264,7 +264,7 @@ def _a_to_fp16(item) -> None:
 def humming_case(case, inputs, repeats: int, times: dict) -> str:
     """Times humming (into times["humming"]) and A's dequantization for it (times["A→fp16"]) on the inputs of
     one case; returns the note on its check, or on why it could not run."""
-    label = ev._short(case)
+    label = harness._short(case)
     ms, ns, ks = (list(case.args[key]) for key in ("m", "n", "k"))
     if len(set(ns)) > 1 or len(set(ks)) > 1:
         return f"humming {label}: not run (one grouped call needs the same n and k in every group)"
@@ -308,7 +308,7 @@ def humming_case(case, inputs, repeats: int, times: dict) -> str:
         for item, data in zip(sets, inputs):
             item["c"].fill_(math.nan)
             gemm(item)
-            expected = [c[:, :, 0] for c in reference.ref_kernel(ev._clone_data(data))]
+            expected = [c[:, :, 0] for c in reference.ref_kernel(harness._clone_data(data))]
             outputs = list(item["c"].split(ms))
             worst = max(worst, worst_ratio(outputs, expected, **HUMMING_TOL))
             passed &= not any(verbose_allclose(o, e, **HUMMING_TOL) for o, e in zip(outputs, expected))
@@ -350,9 +350,9 @@ def case_inputs(case) -> list:
 
 def wrong(custom_kernel, case, inputs, what: str) -> bool:
     """Checks custom_kernel on a copy of the first input; prints why and returns True if it is wrong."""
-    ok, msg = reference.check_implementation(inputs[0], custom_kernel(ev._clone_data(inputs[0])))
+    ok, msg = reference.check_implementation(inputs[0], custom_kernel(harness._clone_data(inputs[0])))
     if not ok:
-        print(f"bench.py: {what} is wrong on {ev._short(case)}: {msg}", file=sys.stderr)
+        print(f"bench.py: {what} is wrong on {harness._short(case)}: {msg}", file=sys.stderr)
     return not ok
 
 
@@ -373,7 +373,7 @@ def pdl_ab(submission, cases, rounds: int, repeats: int) -> int:
                     return 1
                 times[on].append(_time_per_call(submission.custom_kernel, inputs, repeats))
         diffs = [a - b for a, b in zip(times[True], times[False])]
-        print(f"{ev.fit_label(ev._short(case), 52):<52} on {statistics.median(times[True]):8.2f}"
+        print(f"{harness.fit_label(harness._short(case), 52):<52} on {statistics.median(times[True]):8.2f}"
               f"  off {statistics.median(times[False]):8.2f}"
               f"  paired diff median {statistics.median(diffs):+6.2f} (min {min(diffs):+.2f}, max {max(diffs):+.2f})",
               flush=True)
@@ -407,7 +407,7 @@ def plot_problem(path: str):
 
 
 def main(argv=None) -> int:
-    parser = ev.OneLineArgumentParser(prog="bench.py", description=__doc__,
+    parser = harness.OneLineArgumentParser(prog="bench.py", description=__doc__,
                                       formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"),
                         help="task.yml (its benchmarks; the default) or a runner text file")
@@ -423,31 +423,31 @@ def main(argv=None) -> int:
     # Every mistake is reported before the GPU check and before any timing.
     problem = plot_problem(args.plot) if args.plot else None
     if problem:
-        return ev.usage_error("bench.py", problem)
+        return harness.usage_error("bench.py", problem)
     try:
-        cases = ev.load_cases(args.cases, "benchmarks")
-    except ev.CaseFileError as err:
-        return ev.usage_error("bench.py", str(err))
+        cases = harness.load_cases(args.cases, "benchmarks")
+    except harness.CaseFileError as err:
+        return harness.usage_error("bench.py", str(err))
     try:
         import submission
     except Exception as err:
-        return ev.usage_error("bench.py", f"cannot import submission.py: {type(err).__name__}: {err}")
+        return harness.usage_error("bench.py", f"cannot import submission.py: {type(err).__name__}: {err}")
     from submission import custom_kernel
 
     default_path = submission.LAUNCH_PATH
     paths = [p for p in args.launch_paths.split(",") if p] if args.launch_paths is not None else []
     if args.launch_paths is not None and not paths:
-        return ev.usage_error("bench.py", f"--launch-paths names no launch path; choose from "
+        return harness.usage_error("bench.py", f"--launch-paths names no launch path; choose from "
                                           f"{', '.join(submission.LAUNCH_PATHS)}")
     try:
         for path in paths:
             submission.set_launch_path(path)  # unknown or unusable names fail here
     except ValueError as err:
-        return ev.usage_error("bench.py", f"--launch-paths: {err}")
+        return harness.usage_error("bench.py", f"--launch-paths: {err}")
     finally:
         submission.set_launch_path(default_path)
     if not torch.cuda.is_available():
-        return ev.usage_error("bench.py", f"no usable CUDA GPU (torch {torch.__version__}, "
+        return harness.usage_error("bench.py", f"no usable CUDA GPU (torch {torch.__version__}, "
                                           "torch.cuda.is_available() is False)")
     by_path = []  # (case, {path: (kernel µs, host µs)})
 
@@ -460,7 +460,7 @@ def main(argv=None) -> int:
         "by humming beforehand (not timed)"]
     rows = []
     for idx, case in enumerate(cases):
-        print(f"[{idx + 1}/{len(cases)}] {ev._short(case)}", file=sys.stderr, flush=True)
+        print(f"[{idx + 1}/{len(cases)}] {harness._short(case)}", file=sys.stderr, flush=True)
         inputs = case_inputs(case)
         if wrong(custom_kernel, case, inputs, "the kernel"):
             return 1
@@ -487,7 +487,7 @@ def main(argv=None) -> int:
             print(f"[{idx + 1}/{len(cases)}] humming (compiles its kernels on a first run: minutes)", file=sys.stderr,
                   flush=True)
             notes.append(humming_case(case, inputs, args.repeats, times))
-        flops, bytes_ = ev.case_work(case.args)
+        flops, bytes_ = harness.case_work(case.args)
         fp4_bytes = sum((m + n) * k / 2 for m, n, k in zip(case.args["m"], case.args["n"], case.args["k"]))
         floors = {"bf16 floor": flops / H200_BF16_FLOPS * 1e6, "fp4-bytes floor": fp4_bytes / H200_BYTES_PER_S * 1e6}
         host = host_us_per_call(custom_kernel, inputs)
@@ -512,7 +512,7 @@ def main(argv=None) -> int:
               f"kernel launch costs {torch_launch_us():.1f} µs of host time")
         print(f"{'case':<52}" + "".join(f"{p:>22}" for p in paths))
         for case, timed in by_path:
-            print(f"{ev.fit_label(ev._short(case), 52):<52}"
+            print(f"{harness.fit_label(harness._short(case), 52):<52}"
                   + "".join(f"{timed[p][0]:>13.1f} / {timed[p][1]:>5.1f}" for p in paths))
     if args.plot:
         _plot(rows, args.plot, gpu)
@@ -534,10 +534,10 @@ def table_lines(rows, names) -> list:
             geo[n].append(times[n])
             ratio = "" if n in ("kernel", "A→fp16") else f" ({times[n] / times['kernel']:.1f}×)"
             cells.append(f"{times[n]:>{16 - len(ratio)}.1f}{ratio}")
-        lines.append(f"{ev.fit_label(ev._short(case), 52):<52}" + "".join(cells)
+        lines.append(f"{harness.fit_label(harness._short(case), 52):<52}" + "".join(cells)
                      + f"{floors['bf16 floor']:>12.1f}{floors['fp4-bytes floor']:>11.1f}{host:>9.1f}")
     lines.append(f"{'geometric mean':<52}" + "".join(
-        f"{ev.geomean(geo[n]):>16.1f}" if len(geo[n]) == len(rows) else f"{'-':>16}" for n in names))
+        f"{harness.geomean(geo[n]):>16.1f}" if len(geo[n]) == len(rows) else f"{'-':>16}" for n in names))
     return lines
 
 

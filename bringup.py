@@ -4,28 +4,39 @@ export share.
 
 bringup (needs a B200, or an H100/H200 for the Hopper tiles):
 
-    python eval.py bringup [--quick] [--json PATH] [--variants a,b] [--timeout S]
+    python eval.py bringup [--quick] [--json PATH] [--variants a,b] [--timeout S] [--jobs N]
 
+0. checks what needs no GPU first: the variant names (either arch's), task.yml and every case's shape
+   against the kernel's rules (submission.check_problem_sizes); a mistake is one line and exit status 2;
 1. prints the environment (GPU, compute capability, driver, nvidia-cutlass-dsl, torch, Python, launch path,
    programmatic dependent launch);
-2. runs every kernel variant (B200: submission.KERNEL_VARIANTS, "persistent" choosing its tile per problem,
-   the persistent_n* variants forcing one tile row; Hopper: submission.SM90_VARIANTS) through every task.yml
-   test and the edge cases of EDGE_CASES (plus groups with M = 0 where can_implement accepts them), each
-   case called twice (a fresh input, then the same input objects again: the prepared-call path), the output
-   poisoned with NaN before each call and compared with the runner's check (reference.check_implementation);
-3. times the task.yml benchmarks of every variant that failed nothing, with eval.py's benchmark method
-   (the runner's: CUDA events around 15 calls on 15 inputs, L2 flushed before each batch); `--quick` caps
-   each benchmark at QUICK_MAX_REPEATS repeats;
+2. builds and checks every kernel variant (B200: submission.KERNEL_VARIANTS, "persistent" choosing its tile
+   per problem, the persistent_n* variants forcing one tile row; Hopper: submission.SM90_VARIANTS), in
+   parallel worker processes (--jobs, by default one per core within the build units and the available
+   memory): each variant's kernels, one build unit per group count its cases and benchmarks need, are split
+   over shards; a shard's worker first builds its units' kernels (compiled, not launched:
+   submission.build_kernels), then runs the task.yml tests and the edge cases of EDGE_CASES (plus groups
+   with M = 0 where can_implement accepts them) with those group counts: each case called twice (a fresh
+   input, then the same input objects again: the prepared-call path), the output poisoned with NaN before
+   each call and compared with the runner's check (reference.check_implementation). Progress lines carry an
+   estimate of the time left ("[build 3/42, ~40 s left]"). The DSL keeps compiled kernels per process only
+   (cute.compile bypasses its file cache), hence a case runs in the worker that built its kernels;
+3. times the task.yml benchmarks of every variant that failed no case, one at a time on the otherwise idle
+   GPU, each in the worker that built its kernels, with eval.py's benchmark method (the runner's: CUDA
+   events around 15 calls on 15 inputs, L2 flushed before each batch); `--quick` caps each benchmark at
+   QUICK_MAX_REPEATS repeats. On a B200 the tile model's time (submission.sm100_predicted_us) stands beside
+   each benchmark of a persistent variant, in the table and the JSON ("predicted_us");
 4. recommends the fastest variant (geometric mean over the benchmarks) that passed every case, with the one
    line of submission.py that makes it the default and the `eval.py export` command that writes that copy.
 
-Each variant runs in its own spawned worker process, which selects it through the environment before it
-imports the submission (NVFP4_KERNEL_VARIANT, as `eval.py --variants` does; NVFP4_SM90_VARIANT on Hopper).
-Every call into a worker has a timeout; a worker that crashes, hangs or leaves the CUDA context unusable
-is killed, the case recorded as CRASH / TIMEOUT / ERROR with the first line of the error, and a fresh worker
-takes the next case (a variant is abandoned after MAX_WORKER_LOSSES lost workers). The workers' own output
-goes to one log file per variant (named in the report). Exit status: 0 with a recommendation, 1 without
-one, 2 when it cannot run (no usable GPU, a GPU without a kernel here, a usage mistake): one line on stderr.
+Every worker process runs one variant, selected through the environment before it imports the submission
+(NVFP4_KERNEL_VARIANT, as `eval.py --variants` does; NVFP4_SM90_VARIANT on Hopper). Every call into a worker
+has a timeout; a worker that crashes, hangs or leaves the CUDA context unusable is killed, the case recorded
+as CRASH / TIMEOUT / ERROR with the first line of the error, and a fresh worker takes the next case (it
+compiles what it needs as it goes; a variant is abandoned after MAX_WORKER_LOSSES lost workers). The
+workers' own output goes to one log file per shard (their directory is named in the report). Exit status:
+0 with a recommendation, 1 without one, 2 when it cannot run (no usable GPU, a GPU without a kernel here, a
+usage mistake): one line on stderr.
 
 export (no GPU needed):
 
@@ -36,6 +47,7 @@ DEFAULT_SM90_VARIANT for a Hopper one), after checking the copy against FILE_RUL
 file that breaks them, and fails if the marked line is not found exactly once.
 """
 import argparse
+import concurrent.futures
 import dataclasses
 import importlib
 import importlib.metadata
@@ -49,11 +61,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-import eval as ev
+import harness
 
 HERE = Path(__file__).resolve().parent
 SUBMISSION = HERE / "submission.py"
@@ -86,7 +99,7 @@ HEADER_LINES = ("#!POPCORN leaderboard nvfp4_group_gemm", "#!POPCORN gpu B200")
 FORBIDDEN_WORD = "stream"  # the runner rejects a file containing it anywhere, in any case
 SIZE_LIMIT_BYTES = 1_000_000
 # Modules of this repository a submission must not import (the runner only has its own task.py).
-LOCAL_MODULES = frozenset({"reference", "utils", "eval", "bench", "bringup"})
+LOCAL_MODULES = frozenset({"reference", "utils", "harness", "eval", "bench", "bringup"})
 
 
 def rule_header(text: str) -> Optional[str]:
@@ -186,7 +199,7 @@ def export_text(text: str, variant: str, b200_variants, sm90_variants) -> str:
 
 
 def export_main(argv: list) -> int:
-    parser = ev.OneLineArgumentParser(prog="eval.py export",
+    parser = harness.OneLineArgumentParser(prog="eval.py export",
                             description="Write a copy of submission.py whose default kernel variant is NAME.")
     parser.add_argument("--variant", required=True, metavar="NAME",
                         help="a B200 variant (submission.KERNEL_VARIANTS) or a Hopper one (SM90_VARIANTS)")
@@ -346,7 +359,7 @@ def job_check(args: dict) -> dict:
     start = time.perf_counter()
     args = {key: tuple(v) if isinstance(v, list) else v for key, v in args.items()}
     data = generate_input(**args)  # the runner's check writes the reference's result into its C tensors
-    run = ev._clone_data(data)
+    run = harness._clone_data(data)
     worst = 0.0
     for call in ("first call", "repeated call"):
         for _, _, c in run[0]:
@@ -368,12 +381,29 @@ def job_check(args: dict) -> dict:
     return dict(status="pass", max_abs_err=worst, unwritten=0, seconds=round(time.perf_counter() - start, 2))
 
 
+def job_build(problems: list) -> dict:
+    """Builds, and launches nothing, every kernel custom_kernel runs for these problems (case args) in this
+    worker, through its own choices and cache (submission.build_kernels), so that the cases and benchmarks
+    this worker runs with them compile nothing."""
+    import submission
+
+    start = time.perf_counter()
+    keys = set()
+    for args in problems:
+        try:
+            keys.update(submission.build_kernels(harness.case_sizes(args)))
+        except Exception as err:
+            return dict(status="error", error=f"{_case_spec(args)}: {first_line(err)}", kernels=len(keys),
+                        seconds=round(time.perf_counter() - start, 2))
+    return dict(status="ok", kernels=len(keys), seconds=round(time.perf_counter() - start, 2))
+
+
 def job_benchmark(test, max_repeats: int, max_time_ns: float) -> dict:
     """One benchmark with eval.py's (the runner's) method; its obligatory check of all 15 inputs first."""
     start = time.perf_counter()
-    result = ev._run_single_benchmark(test, False, max_repeats, max_time_ns, True)
+    result = harness._run_single_benchmark(test, False, max_repeats, max_time_ns, True)
     seconds = round(time.perf_counter() - start, 2)
-    if isinstance(result, ev.Stats):
+    if isinstance(result, harness.Stats):
         return dict(status="ok", mean_us=result.mean / 1e3, err_us=result.err / 1e3, best_us=result.best / 1e3,
                     worst_us=result.worst / 1e3, runs=result.runs, seconds=seconds)
     return dict(status="fail", error=first_line(result), cuda_ok=_cuda_usable(), seconds=seconds)
@@ -391,7 +421,7 @@ def _worker_main(conn, env: dict, log_path: Optional[str]) -> None:
     import faulthandler
 
     faulthandler.enable()
-    ev._init_worker()
+    harness._init_worker()
     os.environ.update(env)
     while True:
         try:
@@ -514,10 +544,14 @@ class Worker:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# bringup: running one variant
+# bringup: building and running the variants
 # ---------------------------------------------------------------------------------------------------------
 MAX_WORKER_LOSSES = 3  # crashes, hangs or unusable CUDA contexts before a variant's remaining cases are skipped
 QUICK_MAX_REPEATS = 5
+MAX_JOBS = 32  # worker processes building and testing at once, at most (--jobs may ask for fewer)
+# Host memory one worker may take while it builds (torch, the DSL, MLIR and ptxas); --jobs by default keeps
+# the workers within the memory the machine has available.
+WORKER_MEMORY_BYTES = 4 * 2**30
 
 
 @dataclasses.dataclass
@@ -525,7 +559,8 @@ class Limits:
     """Timeouts (s) of the calls into a worker and the benchmark stop rules (eval.py benchmark's by default)."""
 
     start_timeout: float = 300.0  # a fresh worker: import torch, cutlass and the submission, first CUDA call
-    case_timeout: float = 300.0  # one correctness case, its compiles included
+    build_timeout: float = 900.0  # one build unit: every kernel one variant runs with one group count
+    case_timeout: float = 300.0  # one correctness case (its compiles too, in a worker that replaced a lost one)
     bench_timeout: float = 900.0  # one benchmark: 15 inputs, their check, up to 2 minutes of repeats
     max_repeats: int = 100
     max_time_ns: float = 10e9
@@ -533,105 +568,328 @@ class Limits:
     max_losses: int = MAX_WORKER_LOSSES
 
 
-QUICK_LIMITS = Limits(start_timeout=180.0, case_timeout=120.0, bench_timeout=120.0, max_repeats=QUICK_MAX_REPEATS,
-                      warmup_repeats=0, max_losses=2)
-
-
-def run_variant(plan: dict, cases: list, benchmarks: list, limits: Limits, start_worker=Worker,
-                log: Callable[[str], None] = ev.progress) -> dict:
-    """Every case, then (if none failed) every benchmark, of one variant, in workers of its own.
-
-    plan: name, env (what selects the variant in a fresh interpreter), selected (the worker must report
-    this as its variant: key, value), tile_n (the forced tile width, None when chosen per problem), log.
-    benchmarks: eval.TestCase objects, labelled bench1...
-    """
-    name = plan["name"]
-    started = time.monotonic()
-    result = dict(variant=name, worker=None, cases={}, benchmarks={}, losses=0, log=plan.get("log"),
-                  launch_path_end=None)
-    state = {"worker": None}
-
-    def lose(worker, why):
-        result["losses"] += 1
-        worker.kill()
-        state["worker"] = None
-        state["tail"] = worker.log_tail()
-        return why
-
-    def worker_or_problem():
-        """(worker, None), or (None, (status, why)) when a fresh worker does not come up."""
-        if state["worker"] is not None:
-            return state["worker"], None
-        worker = start_worker(plan["env"], plan.get("log"))
-        kind, payload = worker.call("bringup:job_hello", (), limits.start_timeout)
-        if kind != "ok":
-            return None, ("crash" if kind == "crash" else kind, lose(worker, f"worker start: {payload}"))
-        key, value = plan["selected"]
-        if payload.get(key) != value:
-            worker.close()
-            result["losses"] = limits.max_losses  # every fresh worker would do the same
-            return None, ("error", f"the worker runs {key}={payload.get(key)!r}, not {value!r}")
-        if result["worker"] is None:
-            result["worker"] = payload
-        state["worker"] = worker
-        return worker, None
-
-    def call(job, args, timeout):
-        """(status dict) of one job, handling lost workers."""
-        if result["losses"] >= limits.max_losses:
-            return dict(status="not run", error=f"variant abandoned after {result['losses']} lost workers")
-        worker, problem = worker_or_problem()
-        if problem:
-            return dict(status=problem[0], error=problem[1], log_tail=state.get("tail", []))
-        kind, payload = worker.call(job, args, timeout)
-        if kind == "ok":
-            if payload.get("cuda_ok") is False:  # the context is gone: the next job needs a fresh worker
-                lose(worker, "")
-            return payload
-        if kind == "error":
-            return dict(status="error", error=payload)
-        return dict(status=kind, error=lose(worker, payload), log_tail=state["tail"])
-
-    for case in cases:
-        reason = not_applicable(case["args"], plan.get("tile_n"))
-        if reason:
-            result["cases"][case["label"]] = dict(status="n/a", error=reason)
-            continue
-        outcome = call("bringup:job_check", (case["args"],), limits.case_timeout)
-        result["cases"][case["label"]] = outcome
-        log(f"[{name}] {case['label']:<14} {outcome['status']}"
-            + (f" ({outcome['seconds']} s)" if "seconds" in outcome else "")
-            + (f": {outcome['error']}" if outcome.get("error") else ""))
-
-    failed = [label for label, c in result["cases"].items() if c["status"] not in ("pass", "n/a")]
-    if failed:
-        why = f"not timed: failed {', '.join(failed[:3])}{' ...' if len(failed) > 3 else ''}"
-        result["benchmarks"] = {b.label: dict(status="not run", error=why) for b in benchmarks}
-    elif benchmarks:
-        if limits.warmup_repeats:  # as eval.py benchmark and the runner: the first benchmark once, untimed
-            log(f"[{name}] warm-up (compile and first launch)...")
-            result["warmup"] = call("bringup:job_benchmark", (benchmarks[0].case, limits.warmup_repeats, 10e7),
-                                    limits.bench_timeout)
-        for bench in benchmarks:
-            outcome = call("bringup:job_benchmark", (bench.case, limits.max_repeats, limits.max_time_ns),
-                           limits.bench_timeout)
-            result["benchmarks"][bench.label] = outcome
-            shown = (f"{outcome['mean_us']:.2f} ± {outcome['err_us']:.2f} µs ({outcome['runs']} repeats)"
-                     if outcome["status"] == "ok" else f"{outcome['status']}: {outcome.get('error', '')}")
-            log(f"[{name}] {bench.label:<14} {shown}")
-    if state["worker"] is not None:
-        kind, payload = state["worker"].call("bringup:job_state", (), 60)
-        if kind == "ok":
-            result["launch_path_end"] = payload["launch_path"]
-        state["worker"].close()
-    result["seconds"] = round(time.monotonic() - started, 1)
-    return result
+QUICK_LIMITS = Limits(start_timeout=180.0, build_timeout=600.0, case_timeout=120.0, bench_timeout=120.0,
+                      max_repeats=QUICK_MAX_REPEATS, warmup_repeats=0, max_losses=2)
 
 
 @dataclasses.dataclass
 class Benchmark:
     label: str
-    case: object  # eval.TestCase
+    case: object  # harness.TestCase
+
+
+def kernel_groups(args: dict) -> int:
+    """The group count a problem's kernels are built for: its groups with M > 0 (custom_kernel drops the
+    empty ones before it compiles; 0: nothing is built or launched)."""
+    return sum(1 for m in args["m"] if m)
+
+
+def build_units(cases: list, benchmarks: list, tile_n: Optional[int]) -> dict:
+    """One variant's build units: kernel group count -> the problems (case args) its kernels are built for,
+    from the cases the variant runs (not those `not_applicable` to it) and the benchmarks; in the order they
+    first appear."""
+    units = {}
+    problems = [c["args"] for c in cases if not not_applicable(c["args"], tile_n)]
+    problems += [{key: list(v) if isinstance(v, tuple) else v for key, v in b.case.args.items()} for b in benchmarks]
+    for args in problems:
+        groups = kernel_groups(args)
+        if groups:
+            units.setdefault(groups, []).append(args)
+    return units
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _available_memory() -> Optional[int]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_jobs(units: int, cpus: Optional[int] = None, memory: Optional[int] = -1) -> int:
+    """Worker processes at once: one per core, no more than there are build units, MAX_JOBS or the
+    available memory holds (WORKER_MEMORY_BYTES each)."""
+    cpus = _cpu_count() if cpus is None else cpus
+    memory = _available_memory() if memory == -1 else memory
+    by_memory = MAX_JOBS if memory is None else memory // WORKER_MEMORY_BYTES
+    return max(1, min(cpus, units, MAX_JOBS, by_memory))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Part of one variant's work, for one worker process: the build units (kernel group counts) it builds,
+    then the cases with those group counts it checks (the first shard also those that build nothing), and
+    the benchmarks with them it times."""
+
+    variant: str
+    index: int
+    groups: tuple
+
+
+def plan_shards(units: dict, jobs: int) -> list:
+    """Splits every variant's build units (name -> {group count: problems}) into shards: one per variant at
+    least, jobs in all where the units allow (the variant with the most units per shard gets the next one);
+    a variant's units go to its shards longest first (a unit's weight: one build plus its problems), each to
+    the lightest. Returned in rounds (every variant's first shard, then the second shards, ...), the order
+    they start in."""
+    counts = {name: 1 for name in units}
+    total = sum(len(u) for u in units.values())
+    for _ in range(max(0, min(jobs, total) - len(units))):
+        name = max((n for n in units if counts[n] < len(units[n])), key=lambda n: len(units[n]) / counts[n],
+                   default=None)
+        if name is None:
+            break
+        counts[name] += 1
+    by_variant = {}
+    for name, groups in units.items():
+        loads = [[0.0, []] for _ in range(counts[name])]
+        for groups_count in sorted(groups, key=lambda g: -(1 + 0.1 * len(groups[g]))):
+            lightest = min(loads, key=lambda load: load[0])
+            lightest[0] += 1 + 0.1 * len(groups[groups_count])
+            lightest[1].append(groups_count)
+        by_variant[name] = [Shard(name, i, tuple(sorted(load[1]))) for i, load in enumerate(loads)]
+    rounds = max(counts.values(), default=0)
+    return [by_variant[name][i] for i in range(rounds) for name in units if i < len(by_variant[name])]
+
+
+class Progress:
+    """Counts one phase's steps (build, test, bench) across threads: "[build 3/12, ~40 s left]", the time
+    left extrapolated from the steps done since the phase's first step began."""
+
+    def __init__(self, what: str, total: int, clock: Callable[[], float] = time.monotonic):
+        self.what, self.total, self.clock = what, total, clock
+        self.done, self.started = 0, None
+        self.lock = threading.Lock()
+
+    def begin(self) -> None:
+        with self.lock:
+            if self.started is None:
+                self.started = self.clock()
+
+    def tick(self) -> str:
+        with self.lock:
+            if self.started is None:
+                self.started = self.clock()
+            self.done += 1
+            elapsed = self.clock() - self.started
+            left = elapsed / self.done * max(0, self.total - self.done)
+            return f"[{self.what} {self.done}/{self.total}, ~{left:.0f} s left]"
+
+
+class VariantRun:
+    """One variant's results, shared by its shards (each in a thread of its own), and its lost workers."""
+
+    def __init__(self, plan: dict, limits: Limits, start_worker, log: Callable[[str], None]):
+        self.plan, self.limits, self.start_worker, self.log = plan, limits, start_worker, log
+        self.name = plan["name"]
+        self.result = dict(variant=self.name, worker=None, builds={}, cases={}, benchmarks={}, losses=0,
+                           log=plan.get("log"), launch_path_end=None)
+        self.lock = threading.Lock()
+        self.runners = {}  # shard index -> ShardRunner
+
+
+class ShardRunner:
+    """The worker process of one shard: started on first use, replaced after a loss (the variant is abandoned
+    after limits.max_losses of them), every call with a timeout."""
+
+    def __init__(self, run: VariantRun, shard: Shard, log_path: Optional[str]):
+        self.run, self.shard, self.log_path = run, shard, log_path
+        self.worker, self.tail = None, []
+
+    def _lose(self, worker, why: str) -> str:
+        with self.run.lock:
+            self.run.result["losses"] += 1
+        worker.kill()
+        self.worker = None
+        self.tail = worker.log_tail()
+        return why
+
+    def _worker_or_problem(self):
+        """(worker, None), or (None, (status, why)) when a fresh worker does not come up."""
+        if self.worker is not None:
+            return self.worker, None
+        run, limits = self.run, self.run.limits
+        worker = run.start_worker(run.plan["env"], self.log_path)
+        kind, payload = worker.call("bringup:job_hello", (), limits.start_timeout)
+        if kind != "ok":
+            return None, ("crash" if kind == "crash" else kind, self._lose(worker, f"worker start: {payload}"))
+        key, value = run.plan["selected"]
+        if payload.get(key) != value:
+            worker.close()
+            with run.lock:
+                run.result["losses"] = limits.max_losses  # every fresh worker would do the same
+            return None, ("error", f"the worker runs {key}={payload.get(key)!r}, not {value!r}")
+        with run.lock:
+            if run.result["worker"] is None:
+                run.result["worker"] = payload
+        self.worker = worker
+        return worker, None
+
+    def call(self, job: str, args: tuple, timeout: float) -> dict:
+        """The status dict of one job, handling lost workers."""
+        result = self.run.result
+        if result["losses"] >= self.run.limits.max_losses:
+            return dict(status="not run", error=f"variant abandoned after {result['losses']} lost workers")
+        worker, problem = self._worker_or_problem()
+        if problem:
+            return dict(status=problem[0], error=problem[1], log_tail=self.tail)
+        kind, payload = worker.call(job, args, timeout)
+        if kind == "ok":
+            if payload.get("cuda_ok") is False:  # the context is gone: the next job needs a fresh worker
+                self._lose(worker, "")
+            return payload
+        if kind == "error":
+            return dict(status="error", error=payload)
+        return dict(status=kind, error=self._lose(worker, payload), log_tail=self.tail)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+
+def _outcome_text(outcome: dict) -> str:
+    return (f"{outcome['status']}" + (f" ({outcome['seconds']} s)" if "seconds" in outcome else "")
+            + (f": {outcome['error']}" if outcome.get("error") else ""))
+
+
+def _ordered(entries: dict, labels: list) -> dict:
+    return {label: entries[label] for label in labels if label in entries}
+
+
+def run_variants(plans: list, cases: list, benchmarks: list, limits: Limits, jobs: Optional[int] = None,
+                 start_worker=Worker, log: Callable[[str], None] = harness.progress) -> dict:
+    """Every variant of `plans`: name -> its results.
+
+    1. Build and test, `jobs` worker processes at once (default_jobs): each variant's build units (its
+       kernel group counts, `build_units`) are split into shards (`plan_shards`); a shard's worker builds its
+       units' kernels (job_build: compiled, not launched), then checks the cases with those group counts.
+       The DSL keeps compiled kernels per process only, so a case runs in the worker that built its kernels.
+    2. Time, one benchmark at a time on the otherwise idle GPU: the benchmarks of every variant that failed
+       no case, each in the worker of the shard that built its kernels (a fresh one where that was lost).
+
+    plan: name, env (what selects the variant in a fresh interpreter), selected (the worker must report
+    this as its variant: key, value), tile_n (the forced tile width, None when chosen per problem), log (the
+    worker log; one per shard, numbered, where a variant has several), predicted (optional: benchmark label
+    -> the tile model's µs, put beside each benchmark's result).
+    benchmarks: Benchmark objects (harness.TestCase each), labelled bench1...
+    """
+    started = time.monotonic()
+    log_lock, unlocked_log = threading.Lock(), log
+
+    def log(line: str) -> None:  # one line at a time from the shards' threads
+        with log_lock:
+            unlocked_log(line)
+
+    units = {plan["name"]: build_units(cases, benchmarks, plan.get("tile_n")) for plan in plans}
+    jobs = jobs or default_jobs(sum(len(u) for u in units.values()))
+    shards = plan_shards(units, jobs)
+    runs = {plan["name"]: VariantRun(plan, limits, start_worker, log) for plan in plans}
+    shard_counts = {name: sum(1 for s in shards if s.variant == name) for name in runs}
+    for shard in shards:
+        log_path = runs[shard.variant].plan.get("log")
+        if log_path and shard_counts[shard.variant] > 1:
+            log_path = str(Path(log_path).with_suffix(f".{shard.index + 1}.log"))
+        runs[shard.variant].runners[shard.index] = ShardRunner(runs[shard.variant], shard, log_path)
+    bench_groups = {kernel_groups(b.case.args) for b in benchmarks}
+    for plan in plans:  # what never runs, decided up front
+        for case in cases:
+            reason = not_applicable(case["args"], plan.get("tile_n"))
+            if reason:
+                runs[plan["name"]].result["cases"][case["label"]] = dict(status="n/a", error=reason)
+    to_check = {name: [c for c in cases if c["label"] not in run.result["cases"]] for name, run in runs.items()}
+    building = Progress("build", sum(len(u) for u in units.values()))
+    testing = Progress("test", sum(len(v) for v in to_check.values()))
+    log(f"building and testing {len(runs)} variant{'s' if len(runs) != 1 else ''}: "
+        f"{building.total} build units, {testing.total} cases, {len(shards)} shards, {min(jobs, len(shards))} "
+        f"worker processes at once")
+
+    def work(shard: Shard) -> None:
+        run = runs[shard.variant]
+        runner = run.runners[shard.index]
+        for groups in shard.groups:
+            building.begin()
+            outcome = runner.call("bringup:job_build", (units[shard.variant][groups],), limits.build_timeout)
+            run.result["builds"][f"g={groups}"] = outcome
+            log(f"{building.tick()} [{run.name}] build g={groups}: {_outcome_text(outcome)}")
+        for case in to_check[shard.variant]:
+            groups = kernel_groups(case["args"])
+            if groups not in shard.groups and not (groups == 0 and shard.index == 0):
+                continue
+            testing.begin()
+            outcome = runner.call("bringup:job_check", (case["args"],), limits.case_timeout)
+            run.result["cases"][case["label"]] = outcome
+            log(f"{testing.tick()} [{run.name}] {case['label']:<14} {_outcome_text(outcome)}")
+        if not bench_groups & set(shard.groups) and shard.index:
+            runner.close()  # not needed for timing (the first shard stays for job_state)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(jobs, len(shards)))) as pool:
+        for future in [pool.submit(work, shard) for shard in shards]:
+            future.result()
+    labels = [c["label"] for c in cases]
+    for run in runs.values():
+        run.result["cases"] = _ordered(run.result["cases"], labels)
+        run.result["builds"] = _ordered(run.result["builds"], [f"g={g}" for g in sorted(units[run.name])])
+
+    timed = [run for run in runs.values() if not _failed_cases(run.result)]
+    timing = Progress("bench", len(timed) * len(benchmarks))
+    for run in runs.values():
+        failed = _failed_cases(run.result)
+        if failed:
+            why = f"not timed: failed {', '.join(failed[:3])}{' ...' if len(failed) > 3 else ''}"
+            run.result["benchmarks"] = {b.label: dict(status="not run", error=why) for b in benchmarks}
+            continue
+        owner = {g: run.runners[s.index] for s in shards if s.variant == run.name for g in s.groups}
+        first = run.runners[0]
+        if benchmarks and limits.warmup_repeats:  # as eval.py benchmark and the runner: the first one, untimed
+            log(f"[{run.name}] warm-up (compile and first launch)...")
+            runner = owner.get(kernel_groups(benchmarks[0].case.args), first)
+            run.result["warmup"] = runner.call("bringup:job_benchmark",
+                                               (benchmarks[0].case, limits.warmup_repeats, 10e7), limits.bench_timeout)
+        for bench in benchmarks:
+            runner = owner.get(kernel_groups(bench.case.args), first)
+            timing.begin()
+            outcome = runner.call("bringup:job_benchmark", (bench.case, limits.max_repeats, limits.max_time_ns),
+                                  limits.bench_timeout)
+            predicted = (run.plan.get("predicted") or {}).get(bench.label)
+            if predicted is not None:
+                outcome["predicted_us"] = predicted
+            run.result["benchmarks"][bench.label] = outcome
+            shown = (f"{outcome['mean_us']:.2f} ± {outcome['err_us']:.2f} µs ({outcome['runs']} repeats)"
+                     if outcome["status"] == "ok" else f"{outcome['status']}: {outcome.get('error', '')}")
+            if predicted is not None:
+                shown += f"; the tile model: {predicted:.2f} µs"
+            log(f"{timing.tick()} [{run.name}] {bench.label:<14} {shown}")
+    for run in runs.values():
+        alive = [r for _, r in sorted(run.runners.items()) if r.worker is not None]
+        if alive:
+            kind, payload = alive[0].worker.call("bringup:job_state", (), 60)
+            if kind == "ok":
+                run.result["launch_path_end"] = payload["launch_path"]
+        for runner in run.runners.values():
+            runner.close()
+        run.result["seconds"] = round(time.monotonic() - started, 1)
+    return {name: run.result for name, run in runs.items()}
+
+
+def _failed_cases(result: dict) -> list:
+    return [label for label, c in result["cases"].items() if c["status"] not in ("pass", "n/a")]
+
+
+def run_variant(plan: dict, cases: list, benchmarks: list, limits: Limits, start_worker=Worker,
+                log: Callable[[str], None] = harness.progress) -> dict:
+    """One variant in one worker process at a time (run_variants with jobs=1): its builds, every case, then (if
+    none failed) every benchmark."""
+    return run_variants([plan], cases, benchmarks, limits, jobs=1, start_worker=start_worker, log=log)[plan["name"]]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -640,10 +898,12 @@ class Benchmark:
 def verdict(vres: dict) -> tuple:
     """("pass" | "partial" | "fail", why) of one variant's results. "fail": a case, or the check or run of a
     benchmark, went wrong. "partial": nothing failed, but some cases are not applicable to it (a forced tile
-    width), so it cannot be the default."""
+    width), so it cannot be the default. A failed build alone fails nothing (the cases compile again); next
+    to a failure it is named first, as the likelier cause."""
     bad = [(label, c) for label, c in vres["cases"].items() if c["status"] not in ("pass", "n/a")]
     bad += [(label, b) for label, b in vres["benchmarks"].items() if b["status"] not in ("ok", "not run")]
     if bad:
+        bad[:0] = [(f"build {label}", b) for label, b in vres.get("builds", {}).items() if b["status"] != "ok"]
         label, c = bad[0]
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         return "fail", f"{label}: {c['status']}" + (f": {c['error']}" if c.get("error") else "") + more
@@ -660,7 +920,7 @@ def benchmark_geomean(vres: dict, labels: list) -> Optional[float]:
     times = [vres["benchmarks"].get(label, {}).get("mean_us") for label in labels]
     if not labels or any(t is None or t <= 0 for t in times):
         return None
-    return ev.geomean(times)
+    return harness.geomean(times)
 
 
 def recommend(results: dict, bench_labels: list, kind: str, default_variant: str) -> dict:
@@ -723,12 +983,22 @@ def format_environment(environment: dict) -> str:
     return "\n".join(["environment"] + [f"  {key:<20} {value}" for key, value in environment.items()])
 
 
+def _bench_cell(entry: Optional[dict]) -> str:
+    if entry and entry["status"] == "ok":
+        cell = f"{entry['mean_us']:.2f}±{entry['err_us']:.2f}"
+        return cell + (f" ({entry['predicted_us']:.1f})" if entry.get("predicted_us") is not None else "")
+    return _cell(entry)
+
+
 def format_report(cases: list, benchmarks: list, results: dict, rec: dict, limits: Limits,
-                  log_dir: Optional[str] = None) -> str:
+                  log_dir: Optional[str] = None, model: Optional[str] = None) -> str:
     """The tables bringup prints after the environment: correctness per case and variant, benchmark µs per
-    variant, a verdict per variant with its first failure, and the recommendation."""
+    variant (with the tile model's prediction in parentheses where `model` names it and the variant has one),
+    a verdict per variant with its first failure, and the recommendation."""
     names = list(results)
+    bench_cells = {(n, b.label): _bench_cell(results[n]["benchmarks"].get(b.label)) for n in names for b in benchmarks}
     width = max([12] + [len(n) + 1 for n in names])
+    bench_width = max([width] + [len(c) + 1 for c in bench_cells.values()])
     out = ["correctness: each case called twice (fresh input, then the same objects again), outputs NaN-poisoned "
            "first, the runner's check (rtol = atol = 1e-3); a cell is the largest |error| or what went wrong",
            f"{'case':<15}" + "".join(f"{n:>{width}}" for n in names) + "   shape"]
@@ -737,28 +1007,25 @@ def format_report(cases: list, benchmarks: list, results: dict, rec: dict, limit
                                                      for n in names) + f"   {case['spec']}")
     repeats = (f"at most {limits.max_repeats} repeats" if limits.max_repeats < 100
                else "repeats until the error of the mean is under 0.1 % (at most 100 or 2 minutes)")
+    predicted = model and any("predicted_us" in b for n in names for b in results[n]["benchmarks"].values())
     out += ["", f"benchmarks: µs per call, the runner's method (CUDA events around 15 calls on 15 inputs, L2 flushed "
-            f"before each batch; {repeats})",
-            f"{'benchmark':<15}" + "".join(f"{n:>{width}}" for n in names) + "   shape"]
+            f"before each batch; {repeats})" + (f"; (x): the tile model's µs ({model})" if predicted else ""),
+            f"{'benchmark':<15}" + "".join(f"{n:>{bench_width}}" for n in names) + "   shape"]
     labels = [b.label for b in benchmarks]
     for bench in benchmarks:
-        cells = []
-        for n in names:
-            entry = results[n]["benchmarks"].get(bench.label)
-            if entry and entry["status"] == "ok":
-                cells.append(f"{entry['mean_us']:.2f}±{entry['err_us']:.2f}")
-            else:
-                cells.append(_cell(entry))
-        out.append(f"{bench.label:<15}" + "".join(f"{c:>{width}}" for c in cells) + f"   {_case_spec(bench.case.args)}")
+        out.append(f"{bench.label:<15}" + "".join(f"{bench_cells[n, bench.label]:>{bench_width}}" for n in names)
+                   + f"   {_case_spec(bench.case.args)}")
     geos = [benchmark_geomean(results[n], labels) for n in names]
-    out.append(f"{'geomean':<15}" + "".join(f"{(f'{g:.2f}' if g else '-'):>{width}}" for g in geos))
+    out.append(f"{'geomean':<15}" + "".join(f"{(f'{g:.2f}' if g else '-'):>{bench_width}}" for g in geos))
     out += ["", "variants"]
     for n in names:
         state, why = verdict(results[n])
         path = results[n].get("launch_path_end") or (results[n].get("worker") or {}).get("launch_path") or "?"
         out.append(f"  {n:<20} {state.upper():<8} launch path {path:<10}" + (f" {why}" if why else ""))
-    failures = [(n, label, c) for n in names for label, c in results[n]["cases"].items()
-                if c["status"] not in ("pass", "n/a", "not run")]
+    failures = [(n, f"build {label}", b) for n in names for label, b in results[n].get("builds", {}).items()
+                if b["status"] != "ok"]
+    failures += [(n, label, c) for n in names for label, c in results[n]["cases"].items()
+                 if c["status"] not in ("pass", "n/a", "not run")]
     failures += [(n, label, b) for n in names for label, b in results[n]["benchmarks"].items()
                  if b["status"] not in ("ok", "not run")]
     if failures:
@@ -841,91 +1108,119 @@ def _finite(value):
     return value
 
 
+def predicted_us(submission, variant: str, sizes: list, num_sms: int) -> Optional[float]:
+    """The B200 tile model's time (submission.sm100_predicted_us, µs) of `variant` on a problem of these
+    sizes, with the tile it runs there (the tile table's choice for "persistent"); None for a kernel the
+    model does not describe (not a persistent one)."""
+    if variant in submission.TILE_TABLE_VARIANTS:
+        config = submission.choose_sm100_config(sizes, num_sms)
+    else:
+        config = submission.VARIANT_CONFIGS.get(variant)
+    if not isinstance(config, submission.Sm100PersistentConfig):
+        return None
+    return submission.sm100_predicted_us(sizes, config, num_sms)
+
+
 def bringup_main(argv: list) -> int:
-    parser = ev.OneLineArgumentParser(prog="eval.py bringup",
-                            description="First run on a B200 (or a Hopper GPU): every variant checked and timed.")
+    prog = "eval.py bringup"
+    parser = harness.OneLineArgumentParser(
+        prog=prog, description="First run on a B200 (or a Hopper GPU): every variant built, checked and timed.")
     parser.add_argument("--quick", action="store_true",
                         help=f"at most {QUICK_MAX_REPEATS} timing repeats per benchmark and shorter timeouts")
     parser.add_argument("--json", metavar="PATH", help="also write every result as JSON (for a bug report)")
     parser.add_argument("--variants", metavar="A,B", help="only these variants (default: every one for this GPU)")
     parser.add_argument("--timeout", type=float, metavar="S", help="timeout of one correctness case (s)")
+    parser.add_argument("--jobs", type=int, metavar="N",
+                        help=f"worker processes building and testing at once (default: one per core, at most "
+                             f"{MAX_JOBS}, the build units and what the available memory holds)")
     args, status = _parse(parser, argv)
     if args is None:
         return status
-    problem = ev.gpu_problem()
+    if args.jobs is not None and args.jobs < 1:
+        return harness.usage_error(prog, f"--jobs {args.jobs}: at least 1")
+    # Everything that needs no GPU first: the submission, the variant names, the cases and their shapes.
+    try:
+        import reference
+        import submission
+    except Exception as err:
+        return harness.usage_error(prog, f"cannot import the submission: {first_line(err)}")
+    arch_names = {"b200": tuple(submission.KERNEL_VARIANTS), "sm90": tuple(submission.SM90_VARIANTS)}
+    chosen = None
+    if args.variants is not None:
+        chosen = [v for v in args.variants.split(",") if v]
+        unknown = [v for v in chosen if v not in arch_names["b200"] + arch_names["sm90"]]
+        if unknown or not chosen:
+            return harness.usage_error(prog, f"--variants: {', '.join(map(repr, unknown)) or 'no variant named'}: "
+                                             f"not a variant; B200: {', '.join(arch_names['b200'])}; Hopper: "
+                                             f"{', '.join(arch_names['sm90'])}")
+    try:
+        tests = harness.load_cases(str(TASK_YML), "tests", submission.check_problem_sizes)
+        bench_cases = harness.load_cases(str(TASK_YML), "benchmarks", submission.check_problem_sizes)
+    except harness.CaseFileError as err:
+        return harness.usage_error(prog, str(err))
+    problem = harness.gpu_problem()
     if problem:
-        print(f"eval.py bringup: cannot run: {problem}", file=sys.stderr)
-        return 2
+        return harness.usage_error(prog, f"cannot run: {problem}")
     import torch
 
     capability = torch.cuda.get_device_capability(0)
     kind = {(10, 0): "b200", (9, 0): "sm90"}.get(tuple(capability))
     if kind is None:
-        print(f"eval.py bringup: cannot run: {torch.cuda.get_device_name(0)} has compute capability "
-              f"{capability[0]}.{capability[1]}; the submission has kernels for 10.0 (B200) and 9.0 (Hopper) only",
-              file=sys.stderr)
-        return 2
-    try:
-        import reference
-        import submission
-    except Exception as err:
-        print(f"eval.py bringup: cannot import the submission: {first_line(err)}", file=sys.stderr)
-        return 2
-    if kind == "b200":
-        names, variable, default = submission.KERNEL_VARIANTS, "NVFP4_KERNEL_VARIANT", submission.DEFAULT_KERNEL_VARIANT
-    else:
-        names, variable, default = submission.SM90_VARIANTS, "NVFP4_SM90_VARIANT", submission.DEFAULT_SM90_VARIANT
-    if args.variants:
-        chosen = [v for v in args.variants.split(",") if v]
-        unknown = [v for v in chosen if v not in names]
-        if unknown or not chosen:
-            print(f"eval.py bringup: --variants: {', '.join(unknown) or 'none given'} not a variant for this GPU; "
-                  f"choose from {', '.join(names)}", file=sys.stderr)
-            return 2
+        return harness.usage_error(prog, f"cannot run: {torch.cuda.get_device_name(0)} has compute capability "
+                                         f"{capability[0]}.{capability[1]}; the submission has kernels for 10.0 "
+                                         "(B200) and 9.0 (Hopper) only")
+    names = arch_names[kind]
+    variable = "NVFP4_KERNEL_VARIANT" if kind == "b200" else "NVFP4_SM90_VARIANT"
+    default = submission.DEFAULT_KERNEL_VARIANT if kind == "b200" else submission.DEFAULT_SM90_VARIANT
+    if chosen is not None:
+        other = [v for v in chosen if v not in names]
+        if other:
+            return harness.usage_error(prog, f"--variants: {', '.join(map(repr, other))}: not a variant for this GPU "
+                                             f"({'B200' if kind == 'b200' else 'Hopper'}); choose from "
+                                             f"{', '.join(names)}")
         names = tuple(chosen)
     limits = dataclasses.replace(QUICK_LIMITS if args.quick else Limits())
     if args.timeout:
         limits.case_timeout = args.timeout
-    try:
-        tests = ev.load_cases(str(TASK_YML), "tests")
-        bench_cases = ev.load_cases(str(TASK_YML), "benchmarks")
-    except ev.CaseFileError as err:
-        print(f"eval.py bringup: {err}", file=sys.stderr)
-        return 2
     started = time.time()
     env = environment(submission, kind)
     print(format_environment(env), flush=True)
     cases = build_cases(tests, lambda a: m0_accepted(submission, reference, a))
     benchmarks = [Benchmark(f"bench{i + 1}", case) for i, case in enumerate(bench_cases)]
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     log_dir = tempfile.mkdtemp(prefix="nvfp4-bringup-")
-    results = {}
+    plans = []
     for name in names:
         if kind == "b200":
             config = submission.VARIANT_CONFIGS[name]
             tile_n = None if name in submission.TILE_TABLE_VARIANTS else config.tile_mn[1]
             selected = ("kernel_variant", name)
+            predicted = {b.label: predicted_us(submission, name, harness.case_sizes(b.case.args), num_sms)
+                         for b in benchmarks}
+            predicted = {label: us for label, us in predicted.items() if us is not None}
         else:
             config = submission.SM90_VARIANT_CONFIGS.get(name)  # None: sm90_auto
             tile_n = config.tile_mn[1] if config else None
-            selected = ("sm90_variant", name)
-        plan = dict(name=name, env={variable: name}, selected=selected, tile_n=tile_n,
-                    log=str(Path(log_dir) / f"{name}.log"))
-        ev.progress(f"== variant {name} ({len(cases)} cases, {len(benchmarks)} benchmarks)")
-        results[name] = run_variant(plan, cases, benchmarks, limits, start_worker=Worker)
+            selected, predicted = ("sm90_variant", name), {}
+        plans.append(dict(name=name, env={variable: name}, selected=selected, tile_n=tile_n, predicted=predicted,
+                          log=str(Path(log_dir) / f"{name}.log")))
+    jobs = args.jobs or default_jobs(sum(len(build_units(cases, benchmarks, plan["tile_n"])) for plan in plans))
+    results = run_variants(plans, cases, benchmarks, limits, jobs=jobs, start_worker=Worker)
     rec = recommend(results, [b.label for b in benchmarks], kind, default)
-    ev.progress(f"bringup took {time.time() - started:.0f} s")
-    print("\n" + format_report(cases, benchmarks, results, rec, limits, log_dir))
+    harness.progress(f"bringup took {time.time() - started:.0f} s")
+    model = f"submission.sm100_predicted_us on {num_sms} SMs" if kind == "b200" else None
+    print("\n" + format_report(cases, benchmarks, results, rec, limits, log_dir, model=model))
     if args.json:
         document = dict(tool="eval.py bringup", quick=args.quick, arch="sm_100a" if kind == "b200" else "sm_90a",
                         seconds=round(time.time() - started, 1), environment=env, limits=dataclasses.asdict(limits),
+                        jobs=jobs, model=model,
                         cases=cases, benchmarks=[dict(label=b.label, spec=_case_spec(b.case.args), sol_us=b.case.sol_us)
                                                  for b in benchmarks],
                         variants=results, recommendation=rec, worker_logs=log_dir)
         try:
             Path(args.json).write_text(json.dumps(_finite(document), indent=1, default=str))
         except OSError as err:
-            print(f"eval.py bringup: cannot write {args.json}: {err.strerror or err}", file=sys.stderr)
-            return 2
+            return harness.usage_error(prog, f"cannot write {args.json}: {err.strerror or err}")
     return 0 if rec["variant"] else 1
 
 
@@ -944,7 +1239,7 @@ def tile_choice_table(num_sms: int = 148) -> str:
     lines = ["| case | G | " + " | ".join(f"{name(row)}: tiles, model µs" for row in rows) + " | chosen |",
              "| --- | --- | " + " | ".join("---" for _ in rows) + " | --- |"]
     for section, label in (("tests", "test"), ("benchmarks", "bench")):
-        for i, case in enumerate(ev.load_cases(str(TASK_YML), section)):
+        for i, case in enumerate(harness.load_cases(str(TASK_YML), section)):
             sizes = [(m, n, k, 1) for m, n, k in zip(case.args["m"], case.args["n"], case.args["k"])]
             cells = []
             for row in rows:

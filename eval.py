@@ -21,257 +21,49 @@ nvidia-cuda-nvdisasm wheels); `python eval.py compile --help` lists the variants
 
 A mistake (an unknown mode or option, a case file that does not parse, an unknown key in a case) ends in
 one line on stderr naming it and exit status 2 (113 for a bad case file with `POPCORN_FD` set, as the
-runner).
+runner). By hand, and in compile and bringup, a case whose shape the kernel refuses (the size rules of
+submission.can_implement, as submission.check_problem_sizes states them: N a multiple of 128, K of 256, ...)
+is such a mistake too, named with its line before any GPU or build work; with `POPCORN_FD` set the cases go
+to the kernel as the runner's would. `python eval.py MODE --help` lists a mode's options.
 
-`python eval.py bringup [--quick] [--json PATH]` (a B200, or an H100/H200 for the Hopper tiles): the first run
-on a new GPU: the environment, every kernel variant through every task.yml test and edge cases (outputs
-poisoned, each variant in its own worker process with timeouts), the benchmarks of every variant that passed,
-and the fastest passing variant with the one line that makes it the default (bringup.py).
+`python eval.py bringup [--quick] [--json PATH] [--jobs N]` (a B200, or an H100/H200 for the Hopper tiles): the
+first run on a new GPU: the environment; every kernel variant built in parallel worker processes (one per
+core by default), then checked through every task.yml test and edge cases (outputs poisoned, crashes and
+hangs cost one case), with a time-left estimate as it goes; the benchmarks of every variant that passed,
+one at a time (on a B200 beside the tile model's prediction); and the fastest passing variant with the one
+line that makes it the default (bringup.py).
 `python eval.py export --variant NAME -o FILE` needs no GPU: a copy of submission.py whose default variant is
 NAME, checked against the leaderboard's file rules.
 
 Run modes need a CUDA GPU; without one they exit with status 2 and a one-line reason.
 """
-import argparse
 import base64
 import dataclasses
 import json
-import math
-import multiprocessing
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional
+
+from harness import (  # noqa: F401  (eval.X names kept for the tests and for scripts that use them)
+    GENERATOR_KEYS, NUM_ITERATIONS_PER_BENCHMARK, CaseFileError, OneLineArgumentParser, Stats, TestCase, _clone_data,
+    _init_worker, _run_single_benchmark, _run_single_profile, _run_single_test, _short, apply_secret_seed,
+    calculate_stats, case_work, fit_label, geomean, gpu_problem, load_cases, make_pool, parse_case_line, progress,
+    usage_error)
 
 # The runner disables CuTe DSL's on-disk cache so that every benchmark compiles the same way.
 os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
 
 HERE = Path(__file__).resolve().parent
-NUM_ITERATIONS_PER_BENCHMARK = 15
 RUN_MODES = ("test", "benchmark", "leaderboard", "profile")
 SASS_OPS = ("UTCOMMA", "UTCQMMA", "UTMALDG", "UTMASTG", "UTCCP", "HGMMA", "WGDEP1", "STG", "LDL", "STL", "PREEXIT",
             "ACQBULK")
 # WGDEP1: `WARPGROUP.DEPBAR.LE gsb0, 0x1`, a wait that leaves one wgmma group in flight. A Hopper kernel
 # without any has its wgmmas serialized by ptxas (its C7512 "Potential Performance Loss" info).
-GENERATOR_KEYS = ("m", "n", "k", "g", "seed")
-
-
-def _init_worker():
-    os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
-
-
-def make_pool():
-    """One spawned worker, as the runner uses: each case runs in a fresh interpreter state."""
-    return multiprocessing.get_context("spawn").Pool(1, initializer=_init_worker)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Cases
-# ---------------------------------------------------------------------------------------------------------
-class CaseFileError(ValueError):
-    """A case file that cannot be read or parsed; the message names the line."""
-
-
-@dataclasses.dataclass
-class TestCase:
-    args: dict  # generate_input's keyword arguments
-    spec: str  # the case as the runner prints it
-    sol_us: Optional[float] = None  # B200 speed of light, where the file gives it
-
-
-_VALUE = r"\[[^\]]*\]|\([^)]*\)|[a-zA-Z_]+|[+-]?[0-9]+"
-_PART = re.compile(r"\s*([a-zA-Z_]+)\s*:\s*(" + _VALUE + r")\s*")
-
-
-def _parse_value(text: str):
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    if text[:1] in "([" and text[-1:] in ")]":
-        inner = text[1:-1].strip()
-        try:
-            return tuple(int(x.strip()) for x in inner.split(",")) if inner else tuple()
-        except ValueError:
-            return text
-    return text
-
-
-def parse_case_line(line: str, lineno: int = 0) -> TestCase:
-    """One line of the runner's text format: `m: [64, 72]; n: [128, 384]; k: [512, 512]; g: 2; seed: 1111`."""
-    args = {}
-    parts = line.split(";")
-    for index, part in enumerate(parts):
-        bad = f"line {lineno}: invalid test case {line.strip()!r}"
-        if not part.strip():
-            # The runner rejects these too (exit 113), so they are caught here rather than on the leaderboard.
-            where = "nothing after the last ';'" if index == len(parts) - 1 and index else "an empty part before a ';'"
-            raise CaseFileError(f"{bad}: {where} (parts are key: value, separated by ';')")
-        matched = _PART.fullmatch(part)
-        if not matched:
-            raise CaseFileError(f"{bad}: cannot parse {part.strip()!r} (expected key: value)")
-        if matched[1] in args:
-            raise CaseFileError(f"{bad}: key {matched[1]!r} given twice")
-        args[matched[1]] = _parse_value(matched[2])
-    return TestCase(args=args, spec=line)
-
-
-def _spec_of(args: dict) -> str:
-    def fmt(v):
-        return "[" + ", ".join(str(x) for x in v) + "]" if isinstance(v, (list, tuple)) else str(v)
-
-    return "; ".join(f"{key}: {fmt(val)}" for key, val in args.items())
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _shown(value) -> str:
-    return repr(list(value)) if isinstance(value, tuple) else repr(value)
-
-
-def _check_case(case: TestCase, where: str, extra_keys: tuple = ()) -> TestCase:
-    """Rejects here what generate_input would only trip over later, deep in a worker process."""
-    allowed = GENERATOR_KEYS + extra_keys
-    unknown = [key for key in case.args if key not in allowed]
-    if unknown:
-        raise CaseFileError(f"{where}: unknown key {unknown[0]!r}; a case has {', '.join(allowed)}")
-    missing = [key for key in GENERATOR_KEYS if key not in case.args]
-    if missing:
-        raise CaseFileError(f"{where}: case {case.spec!r} lacks {', '.join(missing)}")
-    g, seed = case.args["g"], case.args["seed"]
-    if not _is_int(g) or g < 1:
-        raise CaseFileError(f"{where}: g must be a positive integer, not {_shown(g)}")
-    if not _is_int(seed):
-        raise CaseFileError(f"{where}: seed must be an integer, not {_shown(seed)}")
-    # M = 0 (an empty group) is an input the generator makes; N and K of 0 are not.
-    for key, least, kind in (("m", 0, "non-negative"), ("n", 1, "positive"), ("k", 1, "positive")):
-        val = case.args[key]
-        if not isinstance(val, tuple) or len(val) != g or not all(_is_int(x) and x >= least for x in val):
-            raise CaseFileError(f"{where}: {key} must be a list of g={g} {kind} integers, not {_shown(val)}")
-    return case
-
-
-def _yaml_error(path: str, err) -> str:
-    mark = getattr(err, "problem_mark", None)
-    where = f"{path}, line {mark.line + 1}" if mark is not None else path
-    what = "; ".join(x for x in (getattr(err, "context", None), getattr(err, "problem", None)) if x)
-    return f"{where}: not valid YAML ({what or type(err).__name__})"
-
-
-def _yaml_entry_lines(root, section: str) -> list[int]:
-    """The line of each entry of `section` (for messages); empty where the layout is not the expected one."""
-    try:
-        for key, value in root.value:
-            if key.value == section:
-                return [item.start_mark.line + 1 for item in value.value]
-    except (AttributeError, TypeError, ValueError):
-        pass
-    return []
-
-
-def _load_yaml_cases(path: str, content: str, section: str) -> list[TestCase]:
-    import yaml
-
-    try:
-        root = yaml.compose(content, Loader=yaml.SafeLoader)
-        document = yaml.safe_load(content)
-    except yaml.YAMLError as err:
-        raise CaseFileError(_yaml_error(path, err)) from None
-    if not isinstance(document, dict):
-        found = "empty" if document is None else f"a {type(document).__name__} at the top level"
-        raise CaseFileError(f"{path}: {found}; expected a mapping with a '{section}' list, as in task.yml")
-    entries = document.get(section)
-    if not isinstance(entries, list):
-        found = "" if entries is None else f" ('{section}' is a {type(entries).__name__})"
-        raise CaseFileError(f"{path}: no '{section}' list{found}")
-    lines = _yaml_entry_lines(root, section)
-    cases = []
-    for i, entry in enumerate(entries):
-        where = f"{path}, line {lines[i]} ({section}[{i}])" if i < len(lines) else f"{path}: {section}[{i}]"
-        if not isinstance(entry, dict):
-            raise CaseFileError(f"{where}: a case must be a mapping of {', '.join(GENERATOR_KEYS)}; found "
-                                f"{entry!r:.60} ({type(entry).__name__})")
-        sol_us = entry.get("sol_us")
-        if sol_us is not None and (isinstance(sol_us, bool) or not isinstance(sol_us, (int, float)) or sol_us <= 0):
-            raise CaseFileError(f"{where}: sol_us must be a positive number of µs, not {sol_us!r}")
-        args = {key: tuple(v) if isinstance(v, list) else v for key, v in entry.items() if key != "sol_us"}
-        case = TestCase(args=args, spec=_spec_of(args), sol_us=sol_us)
-        cases.append(_check_case(case, where, extra_keys=("sol_us",)))
-    return cases
-
-
-def load_cases(path: str, section: str) -> list[TestCase]:
-    """Cases from a task.yml (its `section`: tests or benchmarks) or from a runner text file."""
-    try:
-        content = Path(path).read_text()
-    except OSError as err:
-        raise CaseFileError(f"cannot read case file {path}: {err.strerror or err}") from None
-    except UnicodeDecodeError:
-        raise CaseFileError(f"cannot read case file {path}: not a text file") from None
-    if path.endswith((".yml", ".yaml")):
-        cases = _load_yaml_cases(path, content, section)
-    else:
-        cases = []
-        for lineno, line in enumerate(content.splitlines(), start=1):
-            if line.strip() and not line.lstrip().startswith("#"):
-                try:
-                    case = parse_case_line(line, lineno)
-                except CaseFileError as err:
-                    raise CaseFileError(f"{path}, {err}") from None
-                cases.append(_check_case(case, f"{path}, line {lineno}"))
-    if not cases:
-        raise CaseFileError(f"{path}: no cases")
-    return cases
-
-
-def _combine(a: int, b: int) -> int:
-    # The runner's secret-seed mix (Cantor pairing), so that a small public seed does not reveal the input.
-    return int(a + (a + b) * (a + b + 1) // 2)
-
-
-def apply_secret_seed(cases: list[TestCase], seed: Optional[int]) -> None:
-    if seed is not None:
-        for case in cases:
-            if "seed" in case.args:
-                case.args["seed"] = _combine(case.args["seed"], seed)
-
-
-def case_work(args: dict) -> tuple[float, float]:
-    """(FLOPs, fewest bytes moved) of one call: fp4 A and B, e4m3 scales, fp16 C written once."""
-    flops = bytes_ = 0.0
-    for m, n, k in zip(args["m"], args["n"], args["k"]):
-        flops += 2.0 * m * n * k
-        bytes_ += (m + n) * k / 2 + (m + n) * k / 16 + 2.0 * m * n
-    return flops, bytes_
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Statistics and output
-# ---------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Stats:
-    runs: int
-    mean: float
-    std: float
-    err: float
-    best: float
-    worst: float
-
-
-def calculate_stats(durations: list[float]) -> Stats:
-    """Durations in ns -> mean, sample standard deviation, standard error of the mean, best, worst."""
-    runs = len(durations)
-    avg = sum(durations) / runs
-    std = math.sqrt(sum((x - avg) ** 2 for x in durations) / (runs - 1)) if runs > 1 else 0.0
-    return Stats(runs=runs, mean=avg, std=std, err=std / math.sqrt(runs), best=float(min(durations)),
-                 worst=float(max(durations)))
 
 
 class PopcornOutput:
@@ -294,155 +86,6 @@ class PopcornOutput:
         self.print(f"{key}: {value}")
 
 
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage mistakes are one line on stderr and exit 2 (argparse's own adds the usage block)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: {message} (--help for usage)\n")
-
-
-def usage_error(prog: str, message: str) -> int:
-    print(f"{prog}: {message}", file=sys.stderr)
-    return 2
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Work done in the worker process (a fresh spawned interpreter, as on the runner)
-# ---------------------------------------------------------------------------------------------------------
-def _unserializable_exceptions() -> tuple:
-    try:
-        from cutlass._mlir.ir import MLIRError
-        from cutlass.cute.nvgpu.common import OpError
-    except ImportError:
-        return ()
-    return (OpError, MLIRError)
-
-
-def _clone_data(data):
-    if isinstance(data, tuple):
-        return tuple(_clone_data(x) for x in data)
-    if isinstance(data, list):
-        return [_clone_data(x) for x in data]
-    if isinstance(data, dict):
-        return {k: _clone_data(v) for k, v in data.items()}
-    if hasattr(data, "clone"):
-        return data.clone()
-    return data
-
-
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _run_single_test(test: TestCase, catch_all: bool = False):
-    from reference import check_implementation, generate_input
-    from submission import custom_kernel
-
-    data = generate_input(**test.args)
-    _sync()
-    caught = Exception if catch_all else _unserializable_exceptions()
-    try:
-        output = custom_kernel(_clone_data(data))
-    except caught as err:
-        if catch_all:
-            return False, f"{type(err).__name__}: {err}"
-        print(f"Encountered {err}", file=sys.stderr)
-        return False, str(err)
-    _sync()
-    return check_implementation(data, output)
-
-
-def _run_single_benchmark(test: TestCase, recheck: bool, max_repeats: int, max_time_ns: float,
-                          catch_all: bool = False) -> Any:
-    import torch
-
-    from reference import check_implementation, generate_input
-    from submission import custom_kernel
-    from utils import clear_l2_cache_large as clear_l2_cache
-
-    data_list = []
-    for _ in range(NUM_ITERATIONS_PER_BENCHMARK):
-        if "seed" in test.args:
-            test.args["seed"] += 42
-        data_list.append(generate_input(**test.args))
-    check_copy = _clone_data(data_list)
-
-    # One obligatory correctness check on every input before timing.
-    caught = Exception if catch_all else _unserializable_exceptions()
-    outputs = []
-    try:
-        for data in data_list:
-            outputs.append(custom_kernel(_clone_data(data)))
-    except caught as err:
-        return f"Encountered {type(err).__name__}: {err}" if catch_all else f"Encountered {err}"
-    for reference_output, custom_output in zip(check_copy, outputs):
-        good, message = check_implementation(reference_output, custom_output)
-        if not good:
-            return message
-
-    # At least 3 repeats; stop once the relative error of the mean is under 0.1 %, the kernel time exceeds
-    # max_time_ns, or 2 minutes have passed (at most max_repeats).
-    durations = []
-    bm_start_time = time.perf_counter_ns()
-    for i in range(max_repeats):
-        torch.cuda.synchronize()
-        outputs = []
-        clear_l2_cache()
-        start_event = torch.cuda.Event(enable_timing=True)
-        end_event = torch.cuda.Event(enable_timing=True)
-        start_event.record()
-        for data in data_list:
-            outputs.append(custom_kernel(data))
-        end_event.record()
-        torch.cuda.synchronize()
-        durations.append(start_event.elapsed_time(end_event) / NUM_ITERATIONS_PER_BENCHMARK * 1e6)
-
-        if recheck:
-            for reference_output, custom_output in zip(check_copy, outputs):
-                good, message = check_implementation(reference_output, custom_output)
-                if not good:
-                    return message
-
-        total_bm_duration = time.perf_counter_ns() - bm_start_time
-        if i > 1 and total_bm_duration > 1e8:
-            stats = calculate_stats(durations)
-            if (stats.err / stats.mean < 0.001 or stats.mean * stats.runs > max_time_ns
-                    or total_bm_duration > 120e9):
-                break
-    return calculate_stats(durations)
-
-
-def _run_single_profile(test: TestCase) -> str:
-    import torch
-    from torch.cuda.nvtx import range as nvtx_range
-
-    from reference import generate_input
-    from submission import custom_kernel
-
-    with nvtx_range("generate input"):
-        data = generate_input(**test.args)
-        torch.cuda.synchronize()
-    cloned = _clone_data(data)
-    if os.getenv("POPCORN_NCU", "0") not in ("", "0"):
-        # Launched under ncu: run once inside the range ncu filters on.
-        with nvtx_range("custom_kernel"):
-            custom_kernel(cloned)
-            torch.cuda.synchronize()
-        return ""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with nvtx_range("custom_kernel"):
-            custom_kernel(cloned)
-            torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -550,32 +193,6 @@ def popcorn_main(fd: str, argv: list[str]) -> int:
 # ---------------------------------------------------------------------------------------------------------
 # By hand (no POPCORN_FD): readable tables
 # ---------------------------------------------------------------------------------------------------------
-def gpu_problem() -> Optional[str]:
-    """Why no run is possible here, or None where a CUDA GPU is usable."""
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return f"no usable CUDA GPU (torch {torch.__version__}, torch.cuda.is_available() is False)"
-    return None
-
-
-def _short(case: TestCase) -> str:
-    a = case.args
-    return f"g={a['g']} m={list(a['m'])} n={list(a['n'])} k={list(a['k'])}"
-
-
-def fit_label(text: str, width: int) -> str:
-    """`text` in at most `width` characters, cut after a whole number and marked '…': a cut inside a number
-    would show another size than the case has."""
-    if len(text) <= width:
-        return text
-    cut = text[:width - 1]
-    if text[width - 1].isdigit():
-        cut = cut.rstrip("0123456789")
-    return cut.rstrip(", ") + "…"
-
 
 UNSUPPORTED_DEVICE = "UnsupportedDeviceError"
 
@@ -600,10 +217,6 @@ def human_test(pool, tests: list[TestCase]) -> int:
     print(f"{len(tests) - failures}/{len(tests)} passed")
     return 0 if failures == 0 else 1
 
-
-def geomean(values) -> float:
-    values = list(values)
-    return math.exp(sum(math.log(x) for x in values) / len(values))
 
 
 def format_benchmark_table(rows: list[tuple[TestCase, Any]]) -> str:
@@ -831,6 +444,10 @@ def _case_sizes(case: TestCase) -> list[tuple]:
     return [(m, n, k, 1) for m, n, k in zip(case.args["m"], case.args["n"], case.args["k"])]
 
 
+def _looks_like_a_file(token: str) -> bool:
+    return Path(token).exists() or "/" in token or token.endswith((".yml", ".yaml", ".txt"))
+
+
 def _group_counts(items: list[str], cases_given: bool):
     """--groups values -> (group counts, a case file that came last in the list, or an error)."""
     counts, case_file = [], None
@@ -840,7 +457,7 @@ def _group_counts(items: list[str], cases_given: bool):
                 if int(token) < 1:
                     return [], None, f"--groups {token.strip()}: a group count must be at least 1"
                 counts.append(int(token))
-            elif index == len(items) - 1 and "," not in item and not cases_given:
+            elif index == len(items) - 1 and "," not in item and not cases_given and _looks_like_a_file(token):
                 case_file = token  # `--groups 1 16 task.yml`: the list ends where the case file starts
             else:
                 return [], None, f"--groups: {token!r} is not a group count (a positive integer)"
@@ -882,11 +499,8 @@ def compile_main(argv: list[str]) -> int:
                                  f"{', '.join(names[args.arch])}{hint}")
     if args.json and not Path(args.json).resolve().parent.is_dir():
         return usage_error(prog, f"--json {args.json}: directory {Path(args.json).resolve().parent} does not exist")
-    try:
-        if case_file.endswith((".yml", ".yaml")):
-            cases = load_cases(case_file, "tests") + load_cases(case_file, "benchmarks")
-        else:
-            cases = load_cases(case_file, "tests")
+    try:  # both lists of a task.yml, or the one it has; every case against the kernel's shape rules
+        cases = load_cases(case_file, ("tests", "benchmarks"), submission.check_problem_sizes)
     except CaseFileError as err:
         return usage_error(prog, str(err))
     cuobjdump = find_cuobjdump()
@@ -973,6 +587,53 @@ def _submission_problem(variants: Optional[list[str]]) -> Optional[str]:
     return None
 
 
+def size_rule():
+    """(submission.check_problem_sizes, None), or (None, why it cannot be had): the shape rules of the
+    submission's can_implement, which every case read by hand is checked against before any GPU work."""
+    try:
+        import submission
+    except Exception as err:
+        return None, f"cannot import submission.py: {type(err).__name__}: {err}"
+    rule = getattr(submission, "check_problem_sizes", None)
+    if rule is None:
+        return None, "submission.py has no check_problem_sizes(problem_sizes), the size rules of its can_implement"
+    return rule, None
+
+
+MODE_HELP = {
+    "test": "Check the submission on every case of FILE's tests: PASS or FAIL per case, with the runner's check "
+            "(reference.check_implementation, rtol = atol = 1e-3).",
+    "benchmark": "Time every case of FILE's benchmarks with the runner's method (CUDA events around 15 calls on 15 "
+                 "inputs, L2 flushed before each batch, its stop rules): mean ± error in µs, TFLOP/s, GB/s, % of "
+                 "the B200 speed of light where FILE gives it, and the geometric mean.",
+    "leaderboard": "As benchmark, with the leaderboard's re-check of every output after each timed batch.",
+    "profile": "One torch profiler table per case of FILE's benchmarks (the kernels by GPU time).",
+}
+
+
+def mode_parser(mode: str) -> OneLineArgumentParser:
+    """The arguments of a run mode by hand (what `eval.py MODE --help` prints)."""
+    try:
+        import submission
+
+        names = ", ".join(submission.KERNEL_VARIANTS)
+    except Exception:
+        names = "submission.KERNEL_VARIANTS"
+    section = "tests" if mode == "test" else "benchmarks"
+    parser = OneLineArgumentParser(
+        prog=f"eval.py {mode}", add_help=False,
+        description=MODE_HELP[mode] + " Needs a CUDA GPU. Every case is first checked against the kernel's shape "
+                    "rules (submission.check_problem_sizes, those of can_implement): a case it refuses, like a file "
+                    "that does not parse, ends in one line on stderr and exit status 2, before any GPU work.",
+        epilog="With POPCORN_FD set, eval.py speaks the GPU MODE runner's protocol instead (python eval.py --help).")
+    parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"), metavar="FILE",
+                        help=f"task.yml (its '{section}' list; the default) or a runner text file, one case per line")
+    parser.add_argument("--variants", metavar="A,B",
+                        help=f"run the mode once per B200 kernel variant, comma-separated, one table each ({names})")
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    return parser
+
+
 def main(argv: list[str]) -> int:
     fd = os.getenv("POPCORN_FD")
     modes = RUN_MODES + tuple(TOOL_MODES)
@@ -993,21 +654,26 @@ def main(argv: list[str]) -> int:
                                       "(python eval.py --help)")
     if fd:
         return popcorn_main(fd, argv)
+    if mode in TOOL_MODES:  # `eval.py --quick bringup`: options before a tool mode are that mode's
+        rest = list(argv)
+        rest.remove(mode)
+        return TOOL_MODES[mode](rest)
     args = parser.parse_intermixed_args(argv)
     if args.help:
-        print(__doc__)
+        print(mode_parser(mode).format_help(), end="")
         return 0
     variants = [] if args.variants is None else [v for v in args.variants.split(",") if v]
     if args.variants is not None or any(key.startswith("NVFP4_") for key in os.environ):
         problem = _submission_problem(variants if args.variants is not None else None)
         if problem:
             return usage_error("eval.py", problem)
-    case_file = args.cases
+    rule, problem = size_rule()
+    if problem:
+        return usage_error("eval.py", problem)
     try:
-        tests = load_cases(case_file, "tests" if mode == "test" else "benchmarks")
+        tests = load_cases(args.cases, "tests" if mode == "test" else "benchmarks", rule)
     except CaseFileError as err:
-        print(f"eval.py: {err}", file=sys.stderr)
-        return 2
+        return usage_error("eval.py", str(err))
     problem = gpu_problem()
     if problem:
         print(f"eval.py: cannot run '{mode}': {problem}", file=sys.stderr)

@@ -64,6 +64,7 @@ staging ring of the tables (`PinnedTableRing`) records its events on that same q
 How to use it:
     custom_kernel(data)      GPU MODE entry point; data = (abc, sfasfb, sfasfb_reordered, problem_sizes)
     can_implement(data)      (ok, reason) on CPU or GPU tensors, no GPU needed
+    check_problem_sizes(sizes)  (ok, reason) of can_implement's size rules alone, on [(m, n, k, l), ...]
     set_variant(name)        one of KERNEL_VARIANTS; custom_kernel uses KERNEL_VARIANT at each call
                              (NVFP4_KERNEL_VARIANT=name in the environment sets it at import; the default is
                              the DEFAULT_KERNEL_VARIANT line, which `eval.py export` rewrites)
@@ -3486,6 +3487,26 @@ def compile_for(num_groups: int, arch: Optional[str] = None, variant: Optional[s
     return [compiled_kernel(compile_key(num_groups, target, config, part)) for part in parts][0]
 
 
+def build_kernels(problem_sizes, device: Optional[torch.device] = None) -> list:
+    """Build, without launching, every kernel custom_kernel launches for groups of these sizes ((m, n, k, l)
+    each) on `device` (default: the current GPU), through custom_kernel's own choices and cache: groups with
+    M = 0 dropped, `kernel_config`'s kernel (SM90_VARIANT / KERNEL_VARIANT, the tile per problem), the launch
+    path's GEMM (`compiled_gemm`), its other parts and the table upload. Returns their compile keys (none when
+    every group is empty). `eval.py bringup` builds each variant's kernels with it before its cases run."""
+    sizes = [tuple(size) for size in problem_sizes if size[0] != 0]
+    if not sizes:
+        return []
+    device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    _check_device(device)
+    arch, config = _target_arch(device), kernel_config((None, None, None, sizes), device)
+    compiled_gemm(len(sizes), arch, config)  # first: it may leave "tvm_ffi" for "prepacked", which the keys hold
+    keys = [compile_key(len(sizes), arch, config, part) for part in kernel_parts(config)]
+    keys.append(compile_key(len(sizes), arch, TABLE_UPLOAD_CONFIG, "upload"))
+    for key in keys[1:]:
+        compiled_kernel(key)
+    return keys
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Constraints: the one statement of what custom_kernel accepts
 # ---------------------------------------------------------------------------------------------------------
@@ -3553,12 +3574,37 @@ def _tensor_reason(name: str, t, dtype, shape: tuple, strides: Optional[tuple]) 
             "(dimensions of length 1 excepted)")
 
 
+def check_problem_sizes(problem_sizes) -> tuple:
+    """(True, "") if custom_kernel can run groups of these sizes, else (False, reason naming the group): the
+    size rules of `can_implement` alone, on the sizes ((m, n, k, l) per group) without any tensor. Per group
+    a 4-tuple of ints with L == 1, M >= 0, N a positive multiple of 128, K a positive multiple of 256, every
+    tensor under 2**31 elements (`_group_spec`); at least one group; fewer than 2**31 output tiles in all.
+    `eval.py` checks the cases of a case file with it before anything is built or run."""
+    if not isinstance(problem_sizes, (list, tuple)):
+        return False, f"problem_sizes must be a list, got {type(problem_sizes).__name__}"
+    if len(problem_sizes) == 0:
+        return False, "no groups: problem_sizes is empty"
+    tile_m, tile_n = SM100_CONFIG.tile_mn
+    num_tiles = 0
+    for i, size in enumerate(problem_sizes):
+        if not (isinstance(size, (tuple, list)) and len(size) == 4 and all(type(v) is int for v in size)):
+            return False, f"group {i}: problem size {size!r} is not a 4-tuple of ints (m, n, k, l)"
+        reason, _ = _group_spec(tuple(size))
+        if reason:
+            return False, f"{_where(i, size)}: {reason}"
+        num_tiles += ceil_div(size[0], tile_m) * ceil_div(size[1], tile_n)
+    if num_tiles >= 2**31:
+        return False, f"{num_tiles} output tiles in all: more than one launch grid holds"
+    return True, ""
+
+
 def can_implement(data) -> tuple:
     """(True, "") if `custom_kernel(data)` can run this input, else (False, reason).
 
-    The one statement of the constraint set (with `_group_spec`). Pure Python on tensor metadata; needs no
-    GPU. Per group: problem size (m, n, k, l) a 4-tuple of ints with L == 1, M >= 0, N % 128 == 0,
-    K % 256 == 0; dtypes and shapes of all seven tensors; the strides the kernel reads a, b, c and both
+    The one statement of the constraint set (with `_group_spec`; its size rules alone are
+    `check_problem_sizes`). Pure Python on tensor metadata; needs no GPU. Per group: problem size
+    (m, n, k, l) a 4-tuple of ints with L == 1, M >= 0, N % 128 == 0, K % 256 == 0; dtypes and shapes of all
+    seven tensors; the strides the kernel reads a, b, c and both
     blocked scales with (not of a tensor with no elements: there is nothing to step through). The plain
     scales are not read: only their dtype and shape are checked, and they may stay on the CPU, as the
     task's generator leaves them. Then every tensor the kernel reads, i.e. those of the groups with M > 0,
@@ -3574,33 +3620,25 @@ def can_implement(data) -> tuple:
         if not isinstance(part, (list, tuple)):
             return False, f"{name} must be a list, got {type(part).__name__}"
     abc, sfasfb, sfasfb_r, sizes = data
-    if len(sizes) == 0:
-        return False, "no groups: problem_sizes is empty"
     lengths = [len(part) for part in data]
-    if len(set(lengths)) != 1:
+    if len(sizes) and len(set(lengths)) != 1:
         return False, "the four lists differ in length: " + ", ".join(f"{n}={v}" for n, v in zip(names, lengths))
-    tile_m, tile_n = SM100_CONFIG.tile_mn
-    num_tiles = 0
+    ok, reason = check_problem_sizes(sizes)
+    if not ok:
+        return False, reason
     for i, size in enumerate(sizes):
-        if not (isinstance(size, (tuple, list)) and len(size) == 4 and all(type(v) is int for v in size)):
-            return False, f"group {i}: problem size {size!r} is not a 4-tuple of ints (m, n, k, l)"
         size = tuple(size)
         for part, arity, what in ((abc, 3, "(a, b, c)"), (sfasfb, 2, "(sfa, sfb)"),
                                   (sfasfb_r, 2, "(sfa_reordered, sfb_reordered)")):
             if not (isinstance(part[i], (tuple, list)) and len(part[i]) == arity):
                 return False, f"{_where(i, size)}: entry must be {what}"
-        reason, spec = _group_spec(size)
-        if reason:
-            return False, f"{_where(i, size)}: {reason}"
+        _, spec = _group_spec(size)
         tensors = (*abc[i], *sfasfb[i], *sfasfb_r[i])
         for name, t, (dtype, shape, strides) in zip(GROUP_TENSOR_NAMES, tensors, spec):
             # Exact strides first: the generator's; the general test only when they differ.
             if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == shape
                     and (strides is None or 0 in shape or t.stride() == strides or _strides_match(t, strides))):
                 return False, f"{_where(i, size)}: {_tensor_reason(name, t, dtype, shape, strides)}"
-        num_tiles += ceil_div(size[0], tile_m) * ceil_div(size[1], tile_n)
-    if num_tiles >= 2**31:
-        return False, f"{num_tiles} output tiles in all: more than one launch grid holds"
     launched = [i for i, size in enumerate(sizes) if size[0] > 0]
     if not launched:
         return True, ""  # every group is empty: nothing is read, written or launched

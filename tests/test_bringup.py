@@ -6,9 +6,12 @@ no-GPU exit, and the tile table of docs/B200_DESIGN.md against the model."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import types
 
 import pytest
@@ -16,6 +19,7 @@ import torch
 
 import bringup
 import eval as ev
+import harness
 import reference
 import submission
 from conftest import ROOT
@@ -409,6 +413,7 @@ class FakeWorker:
 
     def __init__(self, script, variant):
         self.script, self.variant, self.alive = script, variant, True
+        self.built = []  # the kernel group counts of each job_build's problems
 
     def call(self, job, args, timeout):
         assert self.alive
@@ -416,6 +421,9 @@ class FakeWorker:
             return "ok", dict(kernel_variant=self.variant, launch_path="tvm_ffi")
         if job == "bringup:job_state":
             return "ok", dict(launch_path="prepacked")
+        if job == "bringup:job_build":
+            self.built.append(tuple(bringup.kernel_groups(args) for args in args[0]))
+            return "ok", dict(status="ok", kernels=2, seconds=0.1)
         if job == "bringup:job_check":
             what = self.script.get(args[0]["seed"], "pass")
             if what in ("crash", "timeout"):
@@ -510,8 +518,162 @@ def test_driver_refuses_a_worker_on_another_variant():
 
     result = bringup.run_variant(_plan("persistent"), _fake_cases(3), _fake_benchmarks(), bringup.Limits(),
                                  start_worker=start, log=lambda line: None)
-    assert [c["status"] for c in result["cases"].values()] == ["error", "not run", "not run"]
-    assert "kernel_variant='seed', not 'persistent'" in result["cases"]["c0"]["error"]
+    # found at the first call into a worker, the build: nothing else is run
+    assert result["builds"]["g=1"]["status"] == "error"
+    assert "kernel_variant='seed', not 'persistent'" in result["builds"]["g=1"]["error"]
+    assert [c["status"] for c in result["cases"].values()] == ["not run"] * 3
+    state, why = bringup.verdict(result)
+    assert state == "fail" and why.startswith("build g=1: error: the worker runs kernel_variant='seed'"), why
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bringup: building first, in parallel worker processes, then testing and timing
+# ---------------------------------------------------------------------------------------------------------
+def test_build_units_are_the_kernel_group_counts_of_what_a_variant_runs():
+    cases = [dict(label="a", args=dict(m=[0, 64], n=[128, 256], k=[256, 256], g=2, seed=1)),  # one group built
+             dict(label="b", args=dict(m=[8, 8], n=[128, 128], k=[256, 256], g=2, seed=2)),
+             dict(label="c", args=dict(m=[0, 0], n=[256, 256], k=[256, 256], g=2, seed=3)),  # nothing built
+             dict(label="d", args=dict(m=[8], n=[256], k=[256], g=1, seed=4))]
+    benchmarks = _fake_benchmarks((5.0,))
+    units = bringup.build_units(cases, benchmarks, None)
+    assert list(units) == [1, 2] and [a["seed"] for a in units[1]] == [1, 4, 5] and len(units[2]) == 1
+    # a forced 256-wide tile never runs a or b (an N of 128): nothing is built for them
+    assert bringup.build_units(cases, [], 256) == {1: [cases[3]["args"]]}
+
+
+def test_default_jobs_is_one_per_core_within_the_units_and_memory():
+    gib = 2**30
+    assert bringup.default_jobs(40, cpus=16, memory=None) == 16
+    assert bringup.default_jobs(5, cpus=16, memory=None) == 5
+    assert bringup.default_jobs(500, cpus=256, memory=None) == bringup.MAX_JOBS
+    assert bringup.default_jobs(40, cpus=16, memory=3 * bringup.WORKER_MEMORY_BYTES + gib) == 3
+    assert bringup.default_jobs(40, cpus=16, memory=0) == 1
+    assert 1 <= bringup.default_jobs(40) <= os.cpu_count()
+
+
+def test_shards_split_the_units_over_the_jobs():
+    units = {"a": {g: [{}] * 3 for g in (1, 2, 3, 4, 6, 8, 16)}, "b": {1: [{}], 2: [{}]}, "c": {4: [{}]}}
+    shards = bringup.plan_shards(units, 8)
+    assert len(shards) == 8
+    per_variant = {name: [s for s in shards if s.variant == name] for name in units}
+    assert [len(v) for v in per_variant.values()] == [5, 2, 1]  # the most units per shard gets the next one
+    for name, mine in per_variant.items():  # every unit in exactly one shard of its variant
+        assert sorted(g for s in mine for g in s.groups) == sorted(units[name])
+        assert [s.index for s in mine] == list(range(len(mine)))
+    assert [s.variant for s in shards[:3]] == ["a", "b", "c"]  # in rounds: every variant starts early
+    # fewer jobs than variants: one shard each, run a few at a time; more jobs than units: one unit each
+    assert [len(s.groups) for s in bringup.plan_shards(units, 1)] == [7, 2, 1]
+    assert len(bringup.plan_shards(units, 64)) == 10 and all(len(s.groups) == 1 for s in bringup.plan_shards(units, 64))
+
+
+def test_progress_counts_and_estimates_the_time_left():
+    now = [100.0]
+    progress = bringup.Progress("build", 12, clock=lambda: now[0])
+    progress.begin()
+    now[0] += 30.0
+    assert progress.tick() == "[build 1/12, ~330 s left]"
+    now[0] += 10.0
+    assert progress.tick() == "[build 2/12, ~200 s left]"
+    for _ in range(9):
+        progress.tick()
+    assert progress.tick() == "[build 12/12, ~0 s left]"
+
+
+class ConcurrentWorker(FakeWorker):
+    """A FakeWorker whose builds take a moment, counting how many workers build at once."""
+
+    active = 0
+    most = 0
+    lock = threading.Lock()
+
+    def call(self, job, args, timeout):
+        if job != "bringup:job_build":
+            return super().call(job, args, timeout)
+        with ConcurrentWorker.lock:
+            ConcurrentWorker.active += 1
+            ConcurrentWorker.most = max(ConcurrentWorker.most, ConcurrentWorker.active)
+        time.sleep(0.05)
+        with ConcurrentWorker.lock:
+            ConcurrentWorker.active -= 1
+        return super().call(job, args, timeout)
+
+
+def test_variants_build_in_parallel_workers_and_a_crash_costs_one_case():
+    # 3 variants, cases with 1..4 groups; jobs=4: at most 4 workers build at once, more than one does
+    cases = [dict(label=f"c{i}", kind="edge", args=dict(m=[64] * (1 + i % 4), n=[128 if i == 5 else 256] * (1 + i % 4),
+                                                        k=[256] * (1 + i % 4), g=1 + i % 4, seed=i), spec="")
+             for i in range(8)]
+    workers = []
+    lock = threading.Lock()
+
+    def start(env, log):
+        with lock:
+            workers.append(ConcurrentWorker({3: "crash"} if env["NVFP4_KERNEL_VARIANT"] == "seed" else {},
+                                            env["NVFP4_KERNEL_VARIANT"]))
+            return workers[-1]
+
+    plans = [_plan("persistent"), _plan("seed"), _plan("persistent_n256", tile_n=256)]
+    ConcurrentWorker.most = 0
+    lines = []
+    results = bringup.run_variants(plans, cases, _fake_benchmarks(), bringup.Limits(max_repeats=7), jobs=4,
+                                   start_worker=start, log=lines.append)
+    assert 1 < ConcurrentWorker.most <= 4
+    assert [c["status"] for c in results["persistent"]["cases"].values()] == ["pass"] * 8
+    seed = results["seed"]
+    assert [c["status"] for c in seed["cases"].values()] == ["pass"] * 3 + ["crash"] + ["pass"] * 4
+    assert seed["losses"] == 1 and all(b["status"] == "not run" for b in seed["benchmarks"].values())
+    assert results["persistent_n256"]["cases"]["c5"]["status"] == "n/a"
+    assert list(results["persistent"]["cases"]) == [f"c{i}" for i in range(8)]  # in case order, not finish order
+    assert {k: b["mean_us"] for k, b in results["persistent"]["benchmarks"].items()} == {"bench1": 20.0,
+                                                                                         "bench2": 10.0}
+    # every worker built before it checked anything; builds of each variant cover its group counts
+    for worker in workers:
+        assert all(len(set(groups)) == 1 for groups in worker.built)
+    built = {name: sorted(g for w in workers if w.variant == name for groups in w.built for g in set(groups))
+             for name in ("persistent", "seed")}
+    assert built == {"persistent": [1, 2, 3, 4], "seed": [1, 2, 3, 4]}
+    assert sum(1 for line in lines if line.startswith("[build ")) == sum(len(r["builds"]) for r in results.values())
+    assert any(re.match(r"\[test 12/\d+, ~\d+ s left\] \[", line) for line in lines)
+    assert sum(1 for line in lines if line.startswith("[bench ")) == 4  # two variants timed, two benchmarks each
+
+
+def test_job_build_builds_each_problem_through_the_submission(monkeypatch):
+    calls = []
+
+    def build_kernels(sizes):
+        calls.append(sizes)
+        if sizes[0][1] == 999:
+            raise RuntimeError("ptxas said no\nmore")
+        return [("key", len(sizes))]
+
+    monkeypatch.setitem(sys.modules, "submission", types.SimpleNamespace(build_kernels=build_kernels))
+    problems = [dict(m=[0, 64], n=[128, 256], k=[256, 512], g=2, seed=1), dict(m=[8], n=[128], k=[256], g=1, seed=2)]
+    result = bringup.job_build(problems)
+    assert result["status"] == "ok" and result["kernels"] == 2
+    assert calls == [[(0, 128, 256, 1), (64, 256, 512, 1)], [(8, 128, 256, 1)]]
+    result = bringup.job_build([dict(m=[8], n=[999], k=[256], g=1, seed=3)])
+    assert result["status"] == "error" and result["error"] == "g=1 m=[8] n=[999] k=[256]: RuntimeError: ptxas said no"
+
+
+@pytest.mark.parametrize("arch,variant,attribute", [("sm_100a", "persistent", "KERNEL_VARIANT"),
+                                                    ("sm_100a", "seed", "KERNEL_VARIANT"),
+                                                    ("sm_90a", "sm90_auto", "SM90_VARIANT")])
+def test_build_kernels_compiles_what_custom_kernel_launches(monkeypatch, arch, variant, attribute):
+    compiled = []
+    monkeypatch.setattr(submission, attribute, variant)
+    monkeypatch.setattr(submission, "_compiled_kernels", {})
+    monkeypatch.setattr(submission, "_compile", lambda key: compiled.append(key) or (lambda *args: None))
+    monkeypatch.setattr(submission, "_check_device", lambda device: None)
+    monkeypatch.setattr(submission, "_target_arch", lambda device: arch)
+    monkeypatch.setattr(submission, "_device_sm_count", lambda index: 148 if arch == "sm_100a" else 132)
+    sizes = [(0, 256, 256, 1), (200, 256, 1024, 1), (64, 4096, 7168, 1)]
+    device = torch.device("cuda", 0)
+    keys = submission.build_kernels(sizes, device)
+    config = submission.kernel_config((None, None, None, sizes[1:]), device)  # M = 0 dropped, as custom_kernel does
+    expected = [submission.compile_key(2, arch, config, part) for part in submission.kernel_parts(config)]
+    expected.append(submission.compile_key(2, arch, submission.TABLE_UPLOAD_CONFIG, "upload"))
+    assert keys == expected and sorted(map(repr, compiled)) == sorted(map(repr, expected))
+    assert submission.build_kernels([(0, 256, 256, 1)], device) == []
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -617,53 +779,166 @@ def test_bringup_without_a_gpu_exits_2_with_one_line(tmp_path, args):
     assert proc.stdout == "" and not (tmp_path / "out.json").exists()
 
 
+def _fake_gpu(monkeypatch, capability, name, sms):
+    monkeypatch.setattr(harness, "gpu_problem", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index=0: types.SimpleNamespace(multi_processor_count=sms, total_memory=141 * 2**30))
+
+
+class FakeGpuWorkers:
+    """Stands in for bringup.Worker on a fake GPU: every build and case passes, a benchmark takes the variant's
+    speed; every call is recorded (worker, job, group counts) in order, from all threads."""
+
+    def __init__(self, variable, speed):
+        self.variable, self.speed, self.events, self.envs = variable, speed, [], []
+        self.lock = threading.Lock()
+        outer = self
+
+        class Fake:
+            def __init__(self, env, log):
+                with outer.lock:
+                    outer.envs.append(dict(env))
+                    self.number = len(outer.envs)
+                self.variant = env[outer.variable]
+
+            def call(self, job, args, timeout):
+                groups = ([bringup.kernel_groups(a) for a in args[0]] if job == "bringup:job_build" else
+                          bringup.kernel_groups(args[0]) if job == "bringup:job_check" else
+                          bringup.kernel_groups(args[0].args) if job == "bringup:job_benchmark" else None)
+                with outer.lock:
+                    outer.events.append((self.number, self.variant, job, groups))
+                if job == "bringup:job_hello":
+                    key = "kernel_variant" if outer.variable == "NVFP4_KERNEL_VARIANT" else "sm90_variant"
+                    return "ok", {key: self.variant, "launch_path": "tvm_ffi"}
+                if job == "bringup:job_build":
+                    return "ok", dict(status="ok", kernels=1, seconds=0.0)
+                if job == "bringup:job_check":
+                    return "ok", dict(status="pass", max_abs_err=0.0, seconds=0.0)
+                if job == "bringup:job_benchmark":
+                    return "ok", dict(status="ok", mean_us=outer.speed[self.variant], err_us=0.01, runs=args[1])
+                return "ok", dict(launch_path="tvm_ffi")
+
+            def close(self):
+                pass
+
+            kill = close
+
+        self.Worker = Fake
+
+    def check_order(self):
+        """Per worker: hello, then its builds, then cases of the group counts it built; benchmarks only after
+        every case of every variant, each in a worker that built its group count."""
+        built = {}
+        for number, variant, job, groups in self.events:
+            if job == "bringup:job_build":
+                built.setdefault(number, set()).update(groups)
+            elif job in ("bringup:job_check", "bringup:job_benchmark") and groups:
+                assert groups in built.get(number, set()), (number, variant, job, groups)
+        jobs = [job for _, _, job, _ in self.events]
+        last_check = max(i for i, job in enumerate(jobs) if job == "bringup:job_check")
+        assert all(i > last_check for i, job in enumerate(jobs) if job == "bringup:job_benchmark")
+        for number in {n for n, _, _, _ in self.events}:
+            mine = [job for n, _, job, _ in self.events if n == number]
+            assert mine[0] == "bringup:job_hello"
+            first_check = next((i for i, job in enumerate(mine) if job == "bringup:job_check"), len(mine))
+            assert "bringup:job_build" not in mine[first_check:], mine
+
+
 def test_bringup_end_to_end_on_a_fake_hopper(monkeypatch, tmp_path, capsys):
     # The whole command on fake workers and a fake GPU: environment, cases, plans, report, JSON.
-    monkeypatch.setattr(ev, "gpu_problem", lambda: None)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index=0: types.SimpleNamespace(multi_processor_count=132, total_memory=141 * 2**30))
-    # Any further Hopper variants are slower than sm90_tile128 here.
-    speed = dict({name: 20.0 for name in submission.SM90_VARIANTS}, sm90_auto=10.0, sm90_tile128=9.0,
-                 sm90_tile256=5.0)
-    seen_env = []
-
-    class Fake:
-        def __init__(self, env, log):
-            seen_env.append(dict(env))
-            self.variant = env["NVFP4_SM90_VARIANT"]
-
-        def call(self, job, args, timeout):
-            if job == "bringup:job_hello":
-                return "ok", dict(sm90_variant=self.variant, launch_path="tvm_ffi")
-            if job == "bringup:job_check":
-                return "ok", dict(status="pass", max_abs_err=0.0, seconds=0.0)
-            if job == "bringup:job_benchmark":
-                return "ok", dict(status="ok", mean_us=speed[self.variant], err_us=0.01, runs=args[1])
-            return "ok", dict(launch_path="tvm_ffi")
-
-        def close(self):
-            pass
-
-        kill = close
-
-    monkeypatch.setattr(bringup, "Worker", Fake)
+    _fake_gpu(monkeypatch, (9, 0), "NVIDIA H200", 132)
+    configs = submission.SM90_VARIANT_CONFIGS
+    best = next(name for name, config in configs.items() if config.tile_mn[1] == 128)
+    wide = [name for name, config in configs.items() if config.tile_mn[1] == 256]
+    # the 256-wide tiles, if any, are fastest but never run the N % 256 != 0 tests; then `best`, then sm90_auto
+    speed = dict({name: 20.0 for name in submission.SM90_VARIANTS}, sm90_auto=10.0, **{best: 9.0},
+                 **{name: 5.0 for name in wide})
+    fakes = FakeGpuWorkers("NVFP4_SM90_VARIANT", speed)
+    monkeypatch.setattr(bringup, "Worker", fakes.Worker)
     out = tmp_path / "bringup.json"
-    assert bringup.bringup_main(["--quick", "--json", str(out)]) == 0
-    report = capsys.readouterr().out
-    assert seen_env == [{"NVFP4_SM90_VARIANT": name} for name in submission.SM90_VARIANTS]
+    assert bringup.bringup_main(["--quick", "--jobs", "3", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    report = captured.out
+    # every variant's workers, one variant each, selected through the environment
+    assert sorted({tuple(env.items()) for env in fakes.envs}) == sorted(
+        {(("NVFP4_SM90_VARIANT", name),) for name in submission.SM90_VARIANTS})
+    fakes.check_order()
     assert report.startswith("environment\n") and "NVIDIA H200" in report and "compute capability" in report
-    # sm90_tile256 is fastest but never runs the N % 256 != 0 tests: sm90_tile128 is the recommendation.
-    assert "recommendation: sm90_tile128" in report
-    assert f"+ {bringup.default_line('sm90', 'sm90_tile128')}" in report
+    assert f"recommendation: {best}" in report
+    assert f"+ {bringup.default_line('sm90', best)}" in report
+    assert "tile model" not in report  # a B200 model only
     document = json.loads(out.read_text())
-    assert document["arch"] == "sm_90a" and document["quick"] is True
-    assert document["recommendation"]["variant"] == "sm90_tile128"
-    assert document["variants"]["sm90_tile256"]["cases"]["test1"]["status"] == "n/a"
+    assert document["arch"] == "sm_90a" and document["quick"] is True and document["jobs"] == 3
+    assert document["recommendation"]["variant"] == best
+    for name in wide:
+        assert document["variants"][name]["cases"]["test1"]["status"] == "n/a"
     assert document["variants"]["sm90_auto"]["benchmarks"]["bench1"]["runs"] == bringup.QUICK_MAX_REPEATS
+    assert "predicted_us" not in document["variants"]["sm90_auto"]["benchmarks"]["bench1"]
     assert [c["label"] for c in document["cases"]][:2] == ["test1", "test2"]
     assert document["environment"]["PDL"] in ("on", "off")
+    # progress with an estimate of the time left, per phase
+    assert re.search(r"^\[build 1/\d+, ~\d+ s left\] \[", captured.err, re.M), captured.err[:2000]
+    assert re.search(r"^\[test \d+/\d+, ~\d+ s left\] \[", captured.err, re.M)
+    assert re.search(r"^\[bench \d+/\d+, ~\d+ s left\] \[", captured.err, re.M)
+
+
+def test_bringup_on_a_fake_b200_puts_the_tile_model_beside_each_benchmark(monkeypatch, tmp_path, capsys):
+    _fake_gpu(monkeypatch, (10, 0), "NVIDIA B200", 148)
+    speed = {name: 10.0 + i for i, name in enumerate(submission.KERNEL_VARIANTS)}
+    fakes = FakeGpuWorkers("NVFP4_KERNEL_VARIANT", speed)
+    monkeypatch.setattr(bringup, "Worker", fakes.Worker)
+    out = tmp_path / "bringup.json"
+    assert bringup.bringup_main(["--quick", "--json", str(out)]) == 0
+    fakes.check_order()
+    report = capsys.readouterr().out
+    document = json.loads(out.read_text())
+    assert document["arch"] == "sm_100a" and "sm100_predicted_us on 148 SMs" in document["model"]
+    bench_sizes = {b["label"]: b for b in document["benchmarks"]}
+    tasks = ev.load_cases(str(ROOT / "task.yml"), "benchmarks")
+    modelled = 0
+    for name in submission.KERNEL_VARIANTS:
+        config = submission.VARIANT_CONFIGS[name]
+        for i, case in enumerate(tasks):
+            entry = document["variants"][name]["benchmarks"][f"bench{i + 1}"]
+            assert entry["status"] == "ok" and f"bench{i + 1}" in bench_sizes
+            sizes = harness.case_sizes(case.args)
+            if not isinstance(config, submission.Sm100PersistentConfig):
+                assert "predicted_us" not in entry  # the model is the persistent kernel's
+                continue
+            if name in submission.TILE_TABLE_VARIANTS:
+                config = submission.choose_sm100_config(sizes, 148)
+            assert entry["predicted_us"] == pytest.approx(submission.sm100_predicted_us(sizes, config, 148))
+            modelled += 1
+    assert modelled >= len(tasks)
+    assert "(x): the tile model's µs (submission.sm100_predicted_us on 148 SMs)" in report
+    line = next(line for line in report.splitlines() if line.startswith("bench1 "))
+    first = document["variants"][submission.KERNEL_VARIANTS[0]]["benchmarks"]["bench1"]
+    assert f"{first['mean_us']:.2f}±{first['err_us']:.2f} ({first['predicted_us']:.1f})" in line
+
+
+def test_bringup_names_an_unknown_variant_before_the_gpu_check(monkeypatch, capsys):
+    def no_gpu_check():
+        raise AssertionError("the GPU is looked at after the variant names")
+
+    monkeypatch.setattr(harness, "gpu_problem", no_gpu_check)
+    assert bringup.bringup_main(["--variants", "persistent,nope"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("eval.py bringup: --variants: 'nope': not a variant"), err
+    assert all(name in err[0] for name in (*submission.KERNEL_VARIANTS, *submission.SM90_VARIANTS))
+    proc = subprocess.run([sys.executable, str(ROOT / "eval.py"), "bringup", "--variants", "nope"], cwd=ROOT,
+                          env=_clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "'nope'" in proc.stderr
+    assert "GPU" not in proc.stderr
+
+
+def test_bringup_names_a_variant_of_the_other_gpu(monkeypatch, capsys):
+    _fake_gpu(monkeypatch, (9, 0), "NVIDIA H200", 132)
+    monkeypatch.setattr(bringup, "Worker", None)  # nothing may start
+    assert bringup.bringup_main(["--variants", "persistent"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "'persistent': not a variant for this GPU (Hopper)" in err[0], err
 
 
 def test_bringup_usage_mistake_is_one_line(capsys):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import eval as ev
+import reference
 import submission
 from conftest import ROOT
 
@@ -79,6 +80,70 @@ def test_bad_case_file_is_one_line_in_every_run_mode(tmp_path, capsys, monkeypat
     for mode in ("test", "benchmark") if name.endswith(".txt") else ("test",):
         line = in_process_line(capsys, ev.main([mode, str(path)]), 2)
         assert line.startswith("eval.py: ") and all(piece in line for piece in pieces), line
+
+
+# Shapes the kernel refuses (submission.can_implement), each with a piece of the rule it breaks
+REFUSED_SHAPES = [
+    ("n", "m: [64, 64]; n: [128, 100]; k: [256, 256]; g: 2; seed: 1", "N must be a positive multiple of 128"),
+    ("k", "m: [64]; n: [128]; k: [128]; g: 1; seed: 1", "K must be a positive multiple of 256"),
+    ("k_odd", "m: [64]; n: [128]; k: [640]; g: 1; seed: 1", "K must be a positive multiple of 256"),
+    ("elements", "m: [65536]; n: [128]; k: [32768]; g: 1; seed: 1", "2**31 or more elements"),
+]
+
+
+def _refuse_gpu():
+    raise AssertionError("the GPU may not be looked at after a refused case")
+
+
+@pytest.mark.parametrize("name,line,rule", REFUSED_SHAPES, ids=[s[0] for s in REFUSED_SHAPES])
+def test_a_shape_the_kernel_refuses_is_one_line_before_any_gpu_or_build_work(tmp_path, capsys, monkeypatch, name,
+                                                                              line, rule):
+    import bringup
+    import harness
+
+    monkeypatch.setattr(ev, "gpu_problem", _refuse_gpu)
+    monkeypatch.setattr(harness, "gpu_problem", _refuse_gpu)
+    monkeypatch.setattr(ev, "build_one", _refuse_build)
+    monkeypatch.setattr(ev, "find_cuobjdump", lambda: "cuobjdump")
+    text = tmp_path / "cases.txt"
+    text.write_text(f"{GOOD_LINE}\n{line}\n")
+    args = {"m": None}
+    for part in line.split(";"):
+        key, value = part.split(":")
+        args[key.strip()] = value.strip()
+    yml = tmp_path / "task.yml"
+    yml.write_text(f"tests:\n{GOOD_ENTRY}\nbenchmarks:\n{GOOD_ENTRY}\n  - {{\"m\": {args['m']}, \"n\": {args['n']}, "
+                   f"\"k\": {args['k']}, \"g\": {args['g']}, \"seed\": 1}}\n")
+    # the case file named, with the line, the case and the rule
+    runs = [(mode, lambda mode=mode: ev.main([mode, str(text)]), "eval.py: ", f"{text}, line 2")
+            for mode in ev.RUN_MODES]
+    runs += [("yml", lambda: ev.main(["benchmark", str(yml)]), "eval.py: ", f"{yml}, line 5 (benchmarks[1])"),
+             ("compile", lambda: ev.compile_main([str(text)]), "eval.py compile: ", f"{text}, line 2"),
+             ("compile90", lambda: ev.compile_main(["--arch", "sm_90a", str(yml)]), "eval.py compile: ",
+              f"{yml}, line 5"),
+             ("bringup", lambda: bringup.bringup_main(["--quick"]), "eval.py bringup: ", f"{yml}, line 5")]
+    monkeypatch.setattr(bringup, "TASK_YML", yml)
+    for mode, run_it, prefix, where in runs:
+        got = in_process_line(capsys, run_it(), 2)
+        assert got.startswith(prefix) and where in got and rule in got, (mode, got)
+        assert "refuses" in got and "k=[" in got and "can_implement" in got, (mode, got)
+
+
+def test_the_size_rule_is_can_implement_s(monkeypatch):
+    # One statement: can_implement asks check_problem_sizes, and the case files ask can_implement's rule.
+    calls = []
+    rule = submission.check_problem_sizes
+    monkeypatch.setattr(submission, "check_problem_sizes", lambda sizes: calls.append(sizes) or rule(sizes))
+    for _, line, piece in REFUSED_SHAPES[:3]:
+        case = ev.parse_case_line(line)
+        sizes = [(m, n, k, 1) for m, n, k in zip(case.args["m"], case.args["n"], case.args["k"])]
+        data = reference.generate_input(**case.args)
+        ok, reason = submission.can_implement(data)
+        assert not ok and piece in reason and calls[-1] == sizes
+        assert submission.check_problem_sizes(sizes) == (False, reason)
+    assert submission.check_problem_sizes([(64, 128, 256, 1)]) == (True, "")
+    assert submission.check_problem_sizes([]) == (False, "no groups: problem_sizes is empty")
+    assert "4-tuple" in submission.check_problem_sizes([(64, 128, 256)])[1]
 
 
 def test_missing_case_file_is_named(tmp_path, capsys):
@@ -287,6 +352,8 @@ def test_bench_plot_path_is_checked_up_front(tmp_path, monkeypatch):
     (["--groups", "0"], ["--groups 0", "at least 1"]),
     (["--groups", "2", "-3"], ["--groups -3", "at least 1"]),
     (["--groups", "2,x"], ["--groups", "'x'", "not a group count"]),
+    (["--groups", "x"], ["--groups", "'x'", "not a group count"]),  # not taken for a case file
+    (["--groups", "2", "nothere.yml"], ["cannot read case file nothere.yml"]),  # a file's name: the case file
     (["--arch", "sm_80"], ["'sm_80'", "sm_100a", "sm_90a"]),
     (["--variant", "sm90_tile128"], ["'sm90_tile128'", "not an sm_100a kernel", "--arch sm_90a", "persistent"]),
     (["--arch", "sm_90a", "--variant", "fast"], ["'fast'", "sm90_tile128", "sm90_tile256"]),
@@ -377,6 +444,34 @@ def test_compile_builds_each_kernel_the_cases_run_once(tmp_path, capsys, monkeyp
 
     entries = json.loads(report.read_text())
     assert [(e["groups"], tuple(e["tile_mn"])) for e in entries] == expected
+
+
+@pytest.mark.parametrize("present", [("tests",), ("benchmarks",), ("tests", "benchmarks")])
+def test_compile_reads_the_lists_a_task_file_has(tmp_path, capsys, fake_builds, present):
+    entries = {"tests": '  - {"m": [64], "n": [128], "k": [256], "g": 1, "seed": 1}',
+               "benchmarks": '  - {"m": [64, 8], "n": [256, 128], "k": [512, 256], "g": 2, "seed": 1}'}
+    path = tmp_path / "cases.yml"
+    path.write_text("".join(f"{section}:\n{entries[section]}\n" for section in present))
+    assert ev.compile_main(["--variant", "seed", str(path)]) == 0
+    assert sorted(g for g, _, _ in fake_builds.calls) == sorted({"tests": 1, "benchmarks": 2}[s] for s in present)
+    capsys.readouterr()
+    path.write_text("other:\n  - 1\n")
+    line = in_process_line(capsys, ev.compile_main([str(path)]), 2)
+    assert "no 'tests' or 'benchmarks' list" in line, line
+
+
+@pytest.mark.parametrize("mode", ev.RUN_MODES)
+def test_mode_help_is_the_mode_s_usage_and_options(mode):
+    proc = run("eval.py", mode, "--help")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.startswith(f"usage: eval.py {mode} [--variants A,B] [-h] [FILE]\n"), proc.stdout[:300]
+    assert "--variants" in proc.stdout and "FILE" in proc.stdout and "check_problem_sizes" in proc.stdout
+    assert ev.__doc__.splitlines()[0] not in proc.stdout  # not the module docstring
+    assert ("'tests' list" if mode == "test" else "'benchmarks' list") in proc.stdout
+    # options first, the file later, or the help flag before the mode: the same help
+    assert run("eval.py", "--help", mode).stdout.startswith(ev.__doc__.splitlines()[0])  # eval.py --help: all
+    assert run("eval.py", "-h", mode).returncode == 0
+    assert run("eval.py", mode, "task.yml", "-h").stdout == proc.stdout
 
 
 def test_compile_groups_leave_the_case_file_alone(tmp_path, capsys, fake_builds):

@@ -1,0 +1,86 @@
+"""The repository's modules import one another without a circle: harness.py holds what eval.py, bringup.py and
+bench.py share, so that bringup never needs eval (issue 17)."""
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+# [tool.setuptools] py-modules of pyproject.toml (read without tomllib, which Python 3.10 lacks)
+LOCAL = tuple(re.findall(r'"(\w+)"', re.search(r"^py-modules = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(),
+                                                 re.M | re.S)[1]))
+
+
+def imports_of(module: str) -> set:
+    """The local modules `module` imports anywhere in its file (top level or inside a function)."""
+    tree = ast.parse((ROOT / f"{module}.py").read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found & set(LOCAL) - {module}
+
+
+def find_cycle(graph: dict):
+    """A list of modules that import one another in a circle, or None."""
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt, path + [nxt])
+                if cycle:
+                    return cycle
+        state[node] = "done"
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            cycle = visit(start, [start])
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_module_list_is_the_repository_s():
+    assert {"harness", "eval", "bringup", "bench", "submission", "reference"} <= set(LOCAL)
+    assert all((ROOT / f"{m}.py").exists() for m in LOCAL)
+
+
+def test_no_import_circle_among_the_modules():
+    graph = {module: imports_of(module) for module in LOCAL}
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+    assert "eval" not in graph["bringup"] and "eval" not in graph["harness"] and "bringup" not in graph["harness"]
+    assert "eval" not in graph["bench"]
+
+
+def test_find_cycle_sees_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("module", ["harness", "bringup", "eval", "bench"])
+def test_each_module_imports_alone_in_a_fresh_interpreter(module):
+    # What importing it pulls in of the others, at import time (function-level imports come later, if ever).
+    probe = (f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); import {module}; "
+             f"print(json.dumps(sorted(m for m in sys.modules if m in {list(LOCAL)!r})))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVFP4_")}
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = set(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert module in loaded
+    if module != "eval":
+        assert "eval" not in loaded, loaded
+    if module in ("harness", "bench"):
+        assert "bringup" not in loaded, loaded
