@@ -153,10 +153,9 @@ def test_sm90_variant_forces_the_hopper_tile(monkeypatch):
     monkeypatch.setattr(submission, "_device_sm_count", lambda index: 132)
     monkeypatch.setattr(submission, "SM90_VARIANT", submission.SM90_VARIANT)  # restored after the test
     device = torch.device("cuda", 0)
-    # 32 tiles of 128 x 128: the automatic choice is the 128-wide tile here, the 256-wide one on 128 x 256 x 2.
     data = (None, None, None, [(128, 4096, 1536, 1)])
     assert submission.SM90_VARIANTS == ("sm90_auto", *submission.SM90_VARIANT_CONFIGS)
-    assert {"sm90_tile128", "sm90_tile256"} <= set(submission.SM90_VARIANTS)
+    assert {"sm90_tile128", "sm90_a16_mexact"} <= set(submission.SM90_VARIANTS)
     submission.set_sm90_variant("sm90_auto")
     auto = submission.kernel_config(data, device)
     assert auto.tile_mn == submission.choose_sm90_config(data[3], 132).tile_mn
@@ -182,14 +181,14 @@ def test_set_sm90_variant_rejects_bad_names(monkeypatch):
 def test_sm90_variant_from_the_environment_at_import():
     probe = "import submission; print(submission.SM90_VARIANT, submission.KERNEL_VARIANT)"
     procs = {}
-    for value in ("sm90_tile256", "bogus"):
+    for value in ("sm90_tile128", "bogus"):
         env = dict(_clean_env(), NVFP4_SM90_VARIANT=value)
         procs[value] = subprocess.Popen([sys.executable, "-c", probe], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True)
     results = {value: (proc.wait(timeout=600), *proc.communicate()) for value, proc in procs.items()}
-    code, out, err = results["sm90_tile256"]
+    code, out, err = results["sm90_tile128"]
     assert code == 0, err[-3000:]
-    assert out.split() == ["sm90_tile256", submission.DEFAULT_KERNEL_VARIANT]
+    assert out.split() == ["sm90_tile128", submission.DEFAULT_KERNEL_VARIANT]
     code, out, err = results["bogus"]
     assert code != 0 and "NVFP4_SM90_VARIANT='bogus'" in err
 
@@ -211,12 +210,12 @@ def test_prepared_call_key_holds_the_hopper_variant(monkeypatch):
     data = (tuple(data[0]), tuple(data[1]), tuple(data[2]), tuple(data[3]))
     submission.custom_kernel(data)
     assert submission._prepared_call(data) is not None
-    submission.set_sm90_variant("sm90_tile256")
+    submission.set_sm90_variant("sm90_tile128")
     assert submission._prepared_call(data) is None
     submission.custom_kernel(data)
     submission.set_sm90_variant("sm90_auto")
     submission.custom_kernel(data)  # the first entry again
-    assert launches == ["sm90_auto", "sm90_tile256", "sm90_auto"]
+    assert launches == ["sm90_auto", "sm90_tile128", "sm90_auto"]
     assert len(submission._prepared_calls) == 2
 
 
