@@ -2561,14 +2561,17 @@ class Sm90AConvertKernel:
 @cute.jit
 def sm90_convert_a_items(ptrs: cute.Tensor, sizes: cute.Tensor, a16_base, num_groups: cutlass.Constexpr[int],
                          first, stride):
-    """Items first, first + stride, ... of every group (`Sm90AConvertKernel` says what an item is): the
-    GEMM's fused conversion, each of its threads a strided share.
+    """Items first, first + stride, ... of the items of all groups in a row (`Sm90AConvertKernel` says what an
+    item is): the GEMM's fused conversion, each of its threads a strided share of the whole.
 
-    NOTES: lane j of each warp loads group g0 + j's sizes and the group loop takes them by shuffle: a size
-    load per group in the loop put G dependent global loads on every thread's path (measured: +7 / +11 us
-    on the two G = 8 benchmarks)."""
+    NOTES: the thread's position runs on across groups (`local`, relative to the current group's first item);
+    restarting it at each group left every group's items to the first CTAs only (measured: the fused call
+    7.5 / 11 us slower than the separate conversion launch on the two G = 8 benchmarks). Lane j of each warp
+    loads group g0 + j's sizes and the group loop takes them by shuffle, so no dependent global load sits
+    in the group loop."""
     lane = cute.arch.lane_idx()
     group_base = a16_base
+    local = first
     for g0 in cutlass.range(0, num_groups, 32, unroll=1):
         lane_m = cutlass.Int32(0)
         lane_k = cutlass.Int32(0)
@@ -2580,8 +2583,15 @@ def sm90_convert_a_items(ptrs: cute.Tensor, sizes: cute.Tensor, a16_base, num_gr
             m = cute.arch.shuffle_sync(lane_m, j)
             k = cute.arch.shuffle_sync(lane_k, j)
             if g < num_groups:
-                for item in cutlass.range(first, m * (k // 128) * 4, stride, unroll=2):
+                num_items = m * (k // 128) * 4
+                for item in cutlass.range(local, num_items, stride, unroll=2):
                     sm90_convert_a_item(ptrs, g, k, item, group_base)
+                # this thread's next item, relative to the next group's first
+                left = num_items - local
+                taken = cutlass.Int32(0)
+                if left > 0:
+                    taken = (left + stride - 1) // stride
+                local = local + taken * stride - num_items
                 group_base = group_base + cutlass.Int64(m) * k * 2
 
 
