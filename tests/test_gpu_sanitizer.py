@@ -50,7 +50,7 @@ TOOLS = {
 def _variants():
     import submission
 
-    return list(submission.SM90_VARIANT_CONFIGS)
+    return [*submission.SM90_VARIANT_CONFIGS, "fused"]
 
 
 @pytest.mark.parametrize("tool", list(TOOLS))
