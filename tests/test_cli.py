@@ -550,6 +550,33 @@ def test_a_forced_variant_is_built_for_every_case(capsys, fake_builds, arch, var
     assert f"{setter}({variant!r})" in capsys.readouterr().out
 
 
+def test_the_build_tests_build_every_variant_with_expectations():
+    import dataclasses
+    import types
+
+    import test_build
+
+    assert test_build.SM100_BUILD_VARIANTS == tuple(submission.VARIANT_CONFIGS) == submission.KERNEL_VARIANTS
+    assert test_build.SM90_BUILD_VARIANTS == submission.SM90_VARIANTS and "sm90_auto" in submission.SM90_VARIANTS
+    # a variant added to the submission is built too, without a list to edit
+    new_sm100 = dataclasses.replace(submission.SM100_TILE_N128, num_acc_stages=1)
+    fake = types.SimpleNamespace(VARIANT_CONFIGS=dict(submission.VARIANT_CONFIGS, persistent_new=new_sm100),
+                                 SM90_VARIANTS=(*submission.SM90_VARIANTS, "sm90_new"))
+    sm100, sm90 = test_build.build_variants(fake)
+    assert sm100[-1] == "persistent_new" and sm90[-1] == "sm90_new" and sm90[0] == "sm90_auto"
+    # every variant has its SASS expectations, from its config's kind; an unknown kind is an error
+    for name in submission.KERNEL_VARIANTS:
+        expect = test_build.sm100_expectations(submission, name)
+        assert expect["tma_store"] == (name != "seed"), (name, expect)
+    other = types.SimpleNamespace(VARIANT_CONFIGS={"odd": object()}, Sm100PersistentConfig=type("P", (), {}),
+                                  Sm100GemmConfig=type("G", (), {}))
+    with pytest.raises(AssertionError, match="odd: no SASS expectations"):
+        test_build.sm100_expectations(other, "odd")
+    for name, config in submission.SM90_VARIANT_CONFIGS.items():
+        assert test_build.sm90_expectations(config)["pipelined"] == (config.blocks_per_wg == 1 or config.a16_prepass)
+    assert test_build.sm90_expectations(submission.choose_sm90_config((), 132)) == dict(pipelined=True, no_spills=True)
+
+
 @pytest.mark.parametrize("width", range(4, 60))
 def test_fit_label_never_cuts_inside_a_number(width):
     text = "g=8 m=[80, 176, 128, 72, 64, 248, 96, 160] n=[4096, 4096, 4096, 4096]"
