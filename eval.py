@@ -52,8 +52,8 @@ from typing import Any, Optional
 from harness import (  # noqa: F401  (eval.X names kept for the tests and for scripts that use them)
     GENERATOR_KEYS, NUM_ITERATIONS_PER_BENCHMARK, CaseFileError, OneLineArgumentParser, Stats, TestCase, _clone_data,
     _init_worker, _run_single_benchmark, _run_single_profile, _run_single_test, _short, apply_secret_seed,
-    calculate_stats, case_sizes, case_work, fit_label, geomean, gpu_problem, load_cases, make_pool, parse_case_line, progress,
-    usage_error)
+    calculate_stats, case_sizes, case_work, fit_label, geomean, gpu_problem, load_cases, make_pool,
+    parse_case_line, progress, usage_error)
 
 # The runner disables CuTe DSL's on-disk cache so that every benchmark compiles the same way.
 os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
