@@ -406,6 +406,16 @@ def plot_problem(path: str):
     return None
 
 
+def _launch_path_names() -> tuple:
+    """submission.LAUNCH_PATHS, for the help (the names only, where the submission does not import)."""
+    try:
+        import submission
+
+        return tuple(submission.LAUNCH_PATHS)
+    except Exception:
+        return ("see submission.LAUNCH_PATHS",)
+
+
 def main(argv=None) -> int:
     parser = harness.OneLineArgumentParser(prog="bench.py", description=__doc__,
                                       formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -414,7 +424,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=_positive_int, default=10)
     parser.add_argument("--plot", metavar="PNG", help="write a roofline plot of the methods (needs matplotlib)")
     parser.add_argument("--skip-slow", action="store_true", help="leave out dequant+mm (slowest baseline)")
-    parser.add_argument("--launch-paths", metavar="P,Q", help="also time these launch paths (submission.LAUNCH_PATHS)")
+    parser.add_argument("--launch-paths", metavar="P,Q",
+                        help=f"also time these launch paths, comma-separated: {', '.join(_launch_path_names())}")
     parser.add_argument("--pdl-ab", metavar="ROUNDS", type=_positive_int,
                         help="only time the kernel with and without programmatic dependent launch, alternating")
     parser.add_argument("--no-humming", action="store_true",
@@ -436,9 +447,13 @@ def main(argv=None) -> int:
 
     default_path = submission.LAUNCH_PATH
     paths = [p for p in args.launch_paths.split(",") if p] if args.launch_paths is not None else []
+    choices = ", ".join(submission.LAUNCH_PATHS)
     if args.launch_paths is not None and not paths:
-        return harness.usage_error("bench.py", f"--launch-paths names no launch path; choose from "
-                                          f"{', '.join(submission.LAUNCH_PATHS)}")
+        return harness.usage_error("bench.py", f"--launch-paths names no launch path; choose from {choices}")
+    unknown = [p for p in paths if p not in submission.LAUNCH_PATHS]
+    if unknown:
+        return harness.usage_error("bench.py", f"--launch-paths: unknown launch path {unknown[0]!r}; choose from "
+                                               f"{choices}")
     try:
         for path in paths:
             submission.set_launch_path(path)  # unknown or unusable names fail here

@@ -695,6 +695,7 @@ class VariantRun:
                            log=plan.get("log"), launch_path_end=None)
         self.lock = threading.Lock()
         self.runners = {}  # shard index -> ShardRunner
+        self.cancelled = threading.Event()  # set when the whole run stops (Ctrl-C): no further calls
 
 
 class ShardRunner:
@@ -737,6 +738,8 @@ class ShardRunner:
     def call(self, job: str, args: tuple, timeout: float) -> dict:
         """The status dict of one job, handling lost workers."""
         result = self.run.result
+        if self.run.cancelled.is_set():
+            return dict(status="not run", error="bringup was stopped")
         if result["losses"] >= self.run.limits.max_losses:
             return dict(status="not run", error=f"variant abandoned after {result['losses']} lost workers")
         worker, problem = self._worker_or_problem()
@@ -755,6 +758,11 @@ class ShardRunner:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+
+    def kill(self) -> None:
+        worker, self.worker = self.worker, None
+        if worker is not None:
+            worker.kill()
 
 
 def _outcome_text(outcome: dict) -> str:
@@ -832,9 +840,18 @@ def run_variants(plans: list, cases: list, benchmarks: list, limits: Limits, job
         if not bench_groups & set(shard.groups) and shard.index:
             runner.close()  # not needed for timing (the first shard stays for job_state)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(jobs, len(shards)))) as pool:
-        for future in [pool.submit(work, shard) for shard in shards]:
-            future.result()
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(jobs, len(shards))))
+    try:
+        for future in concurrent.futures.as_completed([pool.submit(work, shard) for shard in shards]):
+            future.result()  # the first shard whose thread raised ends the run
+    except BaseException:  # Ctrl-C, or a bug in a shard's thread: stop every worker, start no other
+        for run in runs.values():
+            run.cancelled.set()
+            for runner in run.runners.values():
+                runner.kill()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     labels = [c["label"] for c in cases]
     for run in runs.values():
         run.result["cases"] = _ordered(run.result["cases"], labels)

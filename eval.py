@@ -52,18 +52,37 @@ from typing import Any, Optional
 from harness import (  # noqa: F401  (eval.X names kept for the tests and for scripts that use them)
     GENERATOR_KEYS, NUM_ITERATIONS_PER_BENCHMARK, CaseFileError, OneLineArgumentParser, Stats, TestCase, _clone_data,
     _init_worker, _run_single_benchmark, _run_single_profile, _run_single_test, _short, apply_secret_seed,
-    calculate_stats, case_work, fit_label, geomean, gpu_problem, load_cases, make_pool, parse_case_line, progress,
-    usage_error)
+    calculate_stats, case_sizes, case_work, fit_label, geomean, gpu_problem, load_cases, make_pool,
+    parse_case_line, progress, usage_error)
 
 # The runner disables CuTe DSL's on-disk cache so that every benchmark compiles the same way.
 os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
 
 HERE = Path(__file__).resolve().parent
 RUN_MODES = ("test", "benchmark", "leaderboard", "profile")
-SASS_OPS = ("UTCOMMA", "UTCQMMA", "UTMALDG", "UTMASTG", "UTCCP", "HGMMA", "WGDEP1", "STG", "LDL", "STL", "PREEXIT",
-            "ACQBULK")
+# The SASS instructions compile counts (all of them in its JSON), with what each count says.
 # WGDEP1: `WARPGROUP.DEPBAR.LE gsb0, 0x1`, a wait that leaves one wgmma group in flight. A Hopper kernel
 # without any has its wgmmas serialized by ptxas (its C7512 "Potential Performance Loss" info).
+SASS_MEANING = {
+    "UTCOMMA": "tcgen05 MMAs (block-scaled)",
+    "UTCQMMA": "tcgen05 MMAs, the other SASS form",
+    "UTMALDG": "TMA loads",
+    "UTMASTG": "TMA stores",
+    "UTCCP": "tcgen05 copies (scales into tensor memory)",
+    "HGMMA": "wgmma instructions",
+    "WGDEP1": "wgmma waits that leave one group in flight (0: ptxas serialized the wgmmas)",
+    "STG": "plain global stores",
+    "LDL": "local-memory loads (register spills)",
+    "STL": "local-memory stores (register spills)",
+    "PREEXIT": "griddepcontrol.launch_dependents (programmatic dependent launch)",
+    "ACQBULK": "griddepcontrol.wait (programmatic dependent launch)",
+}
+SASS_OPS = tuple(SASS_MEANING)
+# The columns of each arch's table: its own instructions only.
+ARCH_SASS_OPS = {
+    "sm_100a": ("UTCOMMA", "UTCQMMA", "UTMALDG", "UTMASTG", "UTCCP", "STG", "LDL", "STL", "PREEXIT", "ACQBULK"),
+    "sm_90a": ("HGMMA", "WGDEP1", "UTMALDG", "UTMASTG", "STG", "LDL", "STL", "PREEXIT", "ACQBULK"),
+}
 
 
 class PopcornOutput:
@@ -441,7 +460,22 @@ def planned_kernel(submission, arch: str, variant: Optional[str], groups: int, s
 
 
 def _case_sizes(case: TestCase) -> list[tuple]:
-    return [(m, n, k, 1) for m, n, k in zip(case.args["m"], case.args["n"], case.args["k"])]
+    return case_sizes(case.args)
+
+
+def compile_legend(arch: str) -> list:
+    """What the columns of compile's table for `arch` say, one line each."""
+    lines = ["columns:",
+             "  status   OK, or ERROR with the error on the next line",
+             "  regs     registers per thread",
+             "  smem[B]  shared memory per CTA: static+dynamic; the dynamic part as the DSL reports it at build time, "
+             "else the kernel's own plan" + (" (B200 kernels)" if arch.startswith("sm_90") else "")
+             + "; static alone where neither gives it"]
+    if arch.startswith("sm_10"):
+        lines.append("  tmem     tensor-memory columns used/allocated")
+    lines.append("  s        seconds the build took (a fresh process: import and build)")
+    lines += [f"  {op:<8} count of {SASS_MEANING[op]}" for op in ARCH_SASS_OPS[arch]]
+    return lines
 
 
 def _looks_like_a_file(token: str) -> bool:
@@ -526,20 +560,22 @@ def compile_main(argv: list[str]) -> int:
     how = (f"each case's tile as custom_kernel picks it on {COMPILE_GPUS[arch]} ({COMPILE_NUM_SMS[arch]} SMs)"
            if per_problem else f"variant {chosen} for every case, as custom_kernel runs it after {setter}({chosen!r})")
     print(f"{arch}: {len(kernels)} kernel{'s' if len(kernels) != 1 else ''} built (variant, tile MxN, groups); {how}")
-    print("smem[B]: static + dynamic shared memory per CTA (dynamic as the DSL reports it at build time, else the "
-          "kernel's own plan, else '?'); tmem: tensor-memory columns used/allocated (B200)")
+    print("\n".join(compile_legend(arch)))
+    blackwell = arch.startswith("sm_10")
+    ops = ARCH_SASS_OPS[arch]
     width = max(len("kernel"), *(len(k.label) for k in kernels))
-    print(f"{'kernel':<{width}} {'status':<6} {'regs':>4} {'smem[B]':>11} {'tmem':>7} {'s':>5}  "
-          + " ".join(f"{op:>7}" for op in SASS_OPS))
+    print(f"{'kernel':<{width}} {'status':<6} {'regs':>4} {'smem[B]':>11} " + (f"{'tmem':>7} " if blackwell else "")
+          + f"{'s':>5}  " + " ".join(f"{op:>7}" for op in ops))
     failed = False
     for kernel in kernels:
         result = builds[kernel]
         res, sass, info = result.get("resources", {}), result.get("sass", {}), result.get("info", {})
-        smem = f"{res.get('SHARED', '?')}+{info.get('dynamic_smem_bytes', info.get('planned_smem_bytes', '?'))}"
+        dynamic = info.get("dynamic_smem_bytes", info.get("planned_smem_bytes"))
+        smem = f"{res.get('SHARED', '?')}" + (f"+{dynamic}" if dynamic is not None else "")
         failed |= not result["ok"]
         print(f"{kernel.label:<{width}} {'OK' if result['ok'] else 'ERROR':<6} {res.get('REG', '?'):>4} {smem:>11} "
-              f"{info.get('tmem_cols', '-'):>7} {result.get('seconds', '?'):>5}  "
-              + " ".join(f"{sass.get(op, '?'):>7}" for op in SASS_OPS))
+              + (f"{info.get('tmem_cols', '-'):>7} " if blackwell else "") + f"{result.get('seconds', '?'):>5}  "
+              + " ".join(f"{sass.get(op, '?'):>7}" for op in ops))
         if not result["ok"]:
             print(f"    {result['error']}")
     print(f"\n{'kernel':<{width}} case")

@@ -89,7 +89,12 @@ def generate_input(m: tuple, n: tuple, k: tuple, g: int, seed: int) -> input_t:
       a [m, k/2, 1] and b [n, k/2, 1] float4_e2m1fn_x2, c [m, n, 1] float16 (random: kernels overwrite it),
       sfa [m, k/16, 1] and sfb [n, k/16, 1] float8_e4m3fn on the CPU,
       sfa/sfb reordered [32, 4, ceil(mn/128), 4, ceil(k/64), 1] float8_e4m3fn, problem_sizes (m, n, k, 1).
+    ValueError when m, n and k are not g sizes each.
     """
+    lengths = {"m": len(m), "n": len(n), "k": len(k)}
+    if set(lengths.values()) != {g}:
+        raise ValueError(f"m, n and k must each hold g={g} sizes, one per group; got "
+                         + ", ".join(f"len({name})={length}" for name, length in lengths.items()))
     torch.manual_seed(seed)
     device = _device()
     abc_tensors, sfasfb_tensors, sfasfb_reordered_tensors, problem_sizes = [], [], [], []

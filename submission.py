@@ -144,13 +144,13 @@ def _choice_from_env(variable: str, default: str, choices: tuple) -> str:
     """Environment variable `variable` (`default` when unset or empty), which must be one of `choices`."""
     value = os.environ.get(variable) or default
     if value not in choices:
-        raise ValueError(f"{variable}={value!r}: choose one of {choices}")
+        raise ValueError(f"{variable}={value!r}: choose one of {', '.join(choices)}")
     return value
 
 
 def _check_choice(what: str, name: str, choices: tuple) -> None:
     if name not in choices:
-        raise ValueError(f"unknown {what} {name!r}; choose one of {choices}")
+        raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(choices)}")
 
 
 # Programmatic dependent launch for the persistent kernels (both arches): each launch lets the next one on
@@ -172,7 +172,8 @@ def set_pdl(on: bool) -> None:
 def _check_setter_name(setter: str, what: str, name, choices: tuple) -> None:
     """A setter's argument: a str (TypeError otherwise) that is one of `choices` (ValueError otherwise)."""
     if not isinstance(name, str):
-        raise TypeError(f"{setter}() takes a {what} name (str), one of {choices}; not {name!r} ({type(name).__name__})")
+        raise TypeError(f"{setter}() takes a {what} name (str), one of {', '.join(choices)}; not {name!r} "
+                        f"({type(name).__name__})")
     _check_choice(what, name, choices)
 
 # Hardware budgets (the CUDA occupancy tables): 227 KiB of shared memory per block, static and dynamic
@@ -395,6 +396,9 @@ KERNEL_VARIANT = _choice_from_env("NVFP4_KERNEL_VARIANT", DEFAULT_KERNEL_VARIANT
 def set_variant(name: str) -> None:
     """Select the kernel custom_kernel launches from now on (one of KERNEL_VARIANTS)."""
     global KERNEL_VARIANT
+    if isinstance(name, str) and name in SM90_VARIANTS:
+        raise ValueError(f"{name!r} is a Hopper variant: use set_sm90_variant({name!r}); set_variant takes a B200 "
+                         f"kernel variant, one of {', '.join(KERNEL_VARIANTS)}")
     _check_setter_name("set_variant", "kernel variant", name, KERNEL_VARIANTS)
     KERNEL_VARIANT = name
 
@@ -611,6 +615,9 @@ SM90_VARIANT = _choice_from_env("NVFP4_SM90_VARIANT", DEFAULT_SM90_VARIANT, SM90
 def set_sm90_variant(name: str) -> None:
     """Select how custom_kernel picks its Hopper tile from now on (one of SM90_VARIANTS)."""
     global SM90_VARIANT
+    if isinstance(name, str) and name in KERNEL_VARIANTS:
+        raise ValueError(f"{name!r} is a B200 kernel variant: use set_variant({name!r}); set_sm90_variant takes a "
+                         f"Hopper variant, one of {', '.join(SM90_VARIANTS)}")
     _check_setter_name("set_sm90_variant", "Hopper variant", name, SM90_VARIANTS)
     SM90_VARIANT = name
 

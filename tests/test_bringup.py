@@ -307,6 +307,22 @@ def test_worker_answers_errors_crashes_and_hangs(tmp_path):
     assert done.process.exitcode == 0
 
 
+def test_workers_start_and_answer_from_several_threads_at_once(tmp_path):
+    # run_variants starts and calls its shards' workers from a thread each
+    import concurrent.futures
+
+    def one(i):
+        worker = bringup.Worker({"NVFP4_BRINGUP_PROBE": str(i)}, str(tmp_path / f"w{i}.log"))
+        try:
+            return worker.call("os:getenv", ("NVFP4_BRINGUP_PROBE",), 120), worker.call("operator:mul", (i, 3), 60)
+        finally:
+            worker.close()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        answers = list(pool.map(one, range(4)))
+    assert answers == [(("ok", str(i)), ("ok", 3 * i)) for i in range(4)]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # bringup: the jobs, in this process on stand-in kernels (the CPU reference, wrong ones)
 # ---------------------------------------------------------------------------------------------------------
@@ -634,6 +650,33 @@ def test_variants_build_in_parallel_workers_and_a_crash_costs_one_case():
     assert sum(1 for line in lines if line.startswith("[build ")) == sum(len(r["builds"]) for r in results.values())
     assert any(re.match(r"\[test 12/\d+, ~\d+ s left\] \[", line) for line in lines)
     assert sum(1 for line in lines if line.startswith("[bench ")) == 4  # two variants timed, two benchmarks each
+
+
+def test_a_stopped_run_stops_every_worker():
+    # an exception in one shard's thread (a bug; Ctrl-C in the main thread alike) ends the run: every worker
+    # killed, no further call into any
+    workers, checks = [], []
+    lock = threading.Lock()
+
+    class Buggy(FakeWorker):
+        def call(self, job, args, timeout):
+            if job == "bringup:job_check" and self.variant == "seed":
+                raise RuntimeError("a bug in the harness")
+            if job == "bringup:job_check":
+                checks.append(self.variant)
+                time.sleep(0.02)
+            return super().call(job, args, timeout)
+
+    def start(env, log):
+        with lock:
+            workers.append(Buggy({}, env["NVFP4_KERNEL_VARIANT"]))
+            return workers[-1]
+
+    with pytest.raises(RuntimeError, match="a bug in the harness"):
+        bringup.run_variants([_plan("persistent"), _plan("seed")], _fake_cases(40), _fake_benchmarks(),
+                             bringup.Limits(), jobs=2, start_worker=start, log=lambda line: None)
+    assert workers and not any(w.alive for w in workers)
+    assert checks.count("persistent") < 40  # the other variant's cases stopped too
 
 
 def test_job_build_builds_each_problem_through_the_submission(monkeypatch):

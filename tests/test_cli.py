@@ -277,6 +277,23 @@ def test_name_setters_take_one_of_their_names(monkeypatch, setter, names, attrib
     assert getattr(submission, attribute) == name
 
 
+@pytest.mark.parametrize("setter,name,other", [("set_sm90_variant", "persistent", "set_variant"),
+                                               ("set_variant", "sm90_auto", "set_sm90_variant")])
+def test_a_variant_of_the_other_arch_names_its_setter(monkeypatch, setter, name, other):
+    monkeypatch.setattr(submission, "KERNEL_VARIANT", "seed")
+    monkeypatch.setattr(submission, "SM90_VARIANT", submission.SM90_VARIANTS[-1])
+    with pytest.raises(ValueError, match=re.escape(f"use {other}({name!r})")) as raised:
+        getattr(submission, setter)(name)
+    assert "('" not in str(raised.value).split(")", 1)[1]  # the choices as a plain list, not a Python tuple
+    assert (submission.KERNEL_VARIANT, submission.SM90_VARIANT) == ("seed", submission.SM90_VARIANTS[-1])
+
+
+def test_setter_choices_are_listed_plainly():
+    with pytest.raises(ValueError) as raised:
+        submission.set_launch_path("bogus")
+    assert str(raised.value) == f"unknown launch path 'bogus'; choose one of {', '.join(submission.LAUNCH_PATHS)}"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # bench.py
 # ---------------------------------------------------------------------------------------------------------
@@ -292,7 +309,7 @@ def test_bench_help_shows_its_docstring(capsys):
 
 @pytest.mark.parametrize("args,pieces", [
     (["{bad}"], ["{bad}, line 2: not valid YAML"]),
-    (["--launch-paths", "prepacked,bogus"], ["--launch-paths", "'bogus'", "prepacked"]),
+    (["--launch-paths", "prepacked,bogus"], ["--launch-paths", "'bogus'", "choose from tvm_ffi, prepacked, dsl"]),
     (["--launch-paths", ","], ["--launch-paths", "tvm_ffi"]),
     (["--repeats", "0"], ["--repeats", "'0'"]),
     (["--pdl-ab", "x"], ["--pdl-ab", "'x'"]),
@@ -308,6 +325,14 @@ def test_bench_mistakes_are_one_line_before_the_gpu_check(tmp_path, capsys, monk
     args = [a.format(bad=bad) for a in args]
     line = in_process_line(capsys, _exit_code(bench.main, args), 2)
     assert line.startswith("bench.py: ") and all(p.format(bad=bad) in line for p in pieces), line
+
+
+def test_bench_help_lists_the_launch_paths_plainly(capsys):
+    import bench
+
+    assert _exit_code(bench.main, ["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"comma-separated: {', '.join(submission.LAUNCH_PATHS)}" in out and "('tvm_ffi'" not in out
 
 
 def test_bench_plot_without_matplotlib_stops_before_anything_else(tmp_path):
@@ -474,6 +499,35 @@ def test_mode_help_is_the_mode_s_usage_and_options(mode):
     assert run("eval.py", mode, "task.yml", "-h").stdout == proc.stdout
 
 
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_90a"])
+def test_compile_table_explains_its_columns_and_shows_only_the_arch_s_own(capsys, monkeypatch, fake_builds, arch):
+    # the builds report what a 4.8.x build of either arch reports: no dynamic shared memory from the DSL
+    def build(num_groups, build_arch, cuobjdump, variant=None):
+        fake_builds(num_groups, build_arch, cuobjdump, variant)
+        info = {"planned_smem_bytes": 226304, "tmem_cols": "288/512"} if build_arch == "sm_100a" else {}
+        return {"ok": True, "error": "", "seconds": 3.25, "resources": {"REG": 40, "SHARED": 1024},
+                "sass": dict.fromkeys(ev.SASS_OPS, 1), "info": info}
+
+    monkeypatch.setattr(ev, "build_one", build)
+    assert ev.compile_main(["--arch", arch, "--groups", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("kernel") and "status" in line)
+    header, row = lines[head].split(), lines[head + 1]
+    cells = dict(zip(header[1:], row.split()[-(len(header) - 1):]))  # the label has spaces
+    legend = {line.split()[0]: line for line in lines[:head] if line.startswith("  ")}
+    for column in header[1:]:  # every column but the kernel's name is explained
+        assert column in legend, (column, legend)
+    assert "seconds the build took" in legend["s"]
+    blackwell_only = {"tmem", "UTCOMMA", "UTCQMMA", "UTCCP"}
+    hopper_only = {"HGMMA", "WGDEP1"}
+    if arch == "sm_90a":
+        assert not blackwell_only & set(header) and hopper_only <= set(header)
+        assert "+?" not in row and " - " not in row and cells["smem[B]"] == "1024", row
+    else:
+        assert blackwell_only <= set(header) and not hopper_only & set(header)
+        assert cells["smem[B]"] == "1024+226304" and cells["tmem"] == "288/512", row
+
+
 def test_compile_groups_leave_the_case_file_alone(tmp_path, capsys, fake_builds):
     cases = tmp_path / "cases.txt"
     cases.write_text("m: [128, 128, 128]; n: [256, 256, 256]; k: [768, 768, 768]; g: 3; seed: 7\n")
@@ -494,6 +548,33 @@ def test_a_forced_variant_is_built_for_every_case(capsys, fake_builds, arch, var
     groups = {c.args["g"] for s in ("tests", "benchmarks") for c in ev.load_cases(str(ROOT / "task.yml"), s)}
     assert sorted(fake_builds.calls) == [(g, arch, variant) for g in sorted(groups)]
     assert f"{setter}({variant!r})" in capsys.readouterr().out
+
+
+def test_the_build_tests_build_every_variant_with_expectations():
+    import dataclasses
+    import types
+
+    import test_build
+
+    assert test_build.SM100_BUILD_VARIANTS == tuple(submission.VARIANT_CONFIGS) == submission.KERNEL_VARIANTS
+    assert test_build.SM90_BUILD_VARIANTS == submission.SM90_VARIANTS and "sm90_auto" in submission.SM90_VARIANTS
+    # a variant added to the submission is built too, without a list to edit
+    new_sm100 = dataclasses.replace(submission.SM100_TILE_N128, num_acc_stages=1)
+    fake = types.SimpleNamespace(VARIANT_CONFIGS=dict(submission.VARIANT_CONFIGS, persistent_new=new_sm100),
+                                 SM90_VARIANTS=(*submission.SM90_VARIANTS, "sm90_new"))
+    sm100, sm90 = test_build.build_variants(fake)
+    assert sm100[-1] == "persistent_new" and sm90[-1] == "sm90_new" and sm90[0] == "sm90_auto"
+    # every variant has its SASS expectations, from its config's kind; an unknown kind is an error
+    for name in submission.KERNEL_VARIANTS:
+        expect = test_build.sm100_expectations(submission, name)
+        assert expect["tma_store"] == (name != "seed"), (name, expect)
+    other = types.SimpleNamespace(VARIANT_CONFIGS={"odd": object()}, Sm100PersistentConfig=type("P", (), {}),
+                                  Sm100GemmConfig=type("G", (), {}))
+    with pytest.raises(AssertionError, match="odd: no SASS expectations"):
+        test_build.sm100_expectations(other, "odd")
+    for name, config in submission.SM90_VARIANT_CONFIGS.items():
+        assert test_build.sm90_expectations(config)["pipelined"] == (config.blocks_per_wg == 1 or config.a16_prepass)
+    assert test_build.sm90_expectations(submission.choose_sm90_config((), 132)) == dict(pipelined=True, no_spills=True)
 
 
 @pytest.mark.parametrize("width", range(4, 60))

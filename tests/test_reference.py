@@ -1,4 +1,6 @@
 """reference.py against an independent float64 decoder, on the CPU (and on any CUDA GPU where present)."""
+import re
+
 import pytest
 import torch
 
@@ -140,3 +142,13 @@ def test_exact_reference_matches_scaled_mm_on_blackwell():
         data = reference.generate_input(**{k: case[k] for k in ("m", "n", "k", "g", "seed")})
         ok, msg = reference.check_implementation(data, reference.ref_kernel_scaled_mm(data))
         assert ok, msg
+
+
+@pytest.mark.parametrize("sizes,named", [
+    (dict(m=(64, 64), n=(128,), k=(256, 256), g=2), "len(m)=2, len(n)=1, len(k)=2"),
+    (dict(m=(64,), n=(128,), k=(256,), g=2), "g=2"),
+    (dict(m=(64, 64, 64), n=(128, 128, 128), k=(256, 256, 256), g=2), "len(m)=3, len(n)=3, len(k)=3"),
+])
+def test_generate_input_names_sizes_of_another_length(sizes, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        reference.generate_input(**sizes, seed=1)
