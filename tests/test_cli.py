@@ -381,7 +381,7 @@ def test_bench_plot_path_is_checked_up_front(tmp_path, monkeypatch):
     (["--groups", "2", "nothere.yml"], ["cannot read case file nothere.yml"]),  # a file's name: the case file
     (["--arch", "sm_80"], ["'sm_80'", "sm_100a", "sm_90a"]),
     (["--variant", "sm90_tile128"], ["'sm90_tile128'", "not an sm_100a kernel", "--arch sm_90a", "persistent"]),
-    (["--arch", "sm_90a", "--variant", "fast"], ["'fast'", "sm90_tile128", "sm90_tile256"]),
+    (["--arch", "sm_90a", "--variant", "fast"], ["'fast'", "sm90_tile128", "sm90_a16_mexact"]),
 ])
 def test_compile_mistakes_are_one_line(capsys, monkeypatch, args, pieces):
     monkeypatch.setattr(ev, "build_one", _refuse_build)
@@ -542,7 +542,7 @@ def test_compile_groups_leave_the_case_file_alone(tmp_path, capsys, fake_builds)
 
 
 @pytest.mark.parametrize("arch,variant,setter", [("sm_100a", "seed", "set_variant"),
-                                                  ("sm_90a", "sm90_tile256", "set_sm90_variant")])
+                                                  ("sm_90a", "sm90_tile128", "set_sm90_variant")])
 def test_a_forced_variant_is_built_for_every_case(capsys, fake_builds, arch, variant, setter):
     assert ev.compile_main(["--arch", arch, "--variant", variant, str(ROOT / "task.yml")]) == 0
     groups = {c.args["g"] for s in ("tests", "benchmarks") for c in ev.load_cases(str(ROOT / "task.yml"), s)}
@@ -573,7 +573,7 @@ def test_the_build_tests_build_every_variant_with_expectations():
     with pytest.raises(AssertionError, match="odd: no SASS expectations"):
         test_build.sm100_expectations(other, "odd")
     for name, config in submission.SM90_VARIANT_CONFIGS.items():
-        assert test_build.sm90_expectations(config)["pipelined"] == (config.blocks_per_wg == 1 or config.a16_prepass)
+        assert test_build.sm90_expectations(config) == dict(pipelined=True, no_spills=True), name
     assert test_build.sm90_expectations(submission.choose_sm90_config((), 132)) == dict(pipelined=True, no_spills=True)
 
 
