@@ -39,18 +39,18 @@ and reading the SASS.
 
 How it runs on Hopper (sm_90a, `Sm90BlockScaledGroupedGemmKernel`, checked on an H200): no fp4 tensor cores,
 so both operands are dequantized exactly to fp16 (every e2m1 x e4m3 product is exact in fp16) and multiplied
-by fp16 wgmma with fp32 accumulation. By default (`sm90_auto` = `sm90_a16_mexact`) `Sm90AConvertKernel` first
-writes every group's A as fp16 into the launch's workspace, once per call; then one persistent GEMM launch
-walks a host-planned work list (`plan_sm90_work`: each group's M split into tiles 64-192 rows wide, dealt
+by fp16 wgmma with fp32 accumulation. By default (`sm90_auto` = `sm90_a16_mexact`) one persistent launch per
+call: first every thread of every CTA writes its share of all groups' A as fp16 into the launch's workspace
+and a grid-wide barrier orders that before any fp16 A load (`Sm90GemmConfig.a16_fused`); then the CTAs walk
+a host-planned work list (`plan_sm90_work`: each group's M split into tiles 64-192 rows wide, dealt
 longest first to the least-loaded CTA): a producer warp TMA-loads fp16 A, the packed fp4 B and its blocked
 scales, two consumer warpgroups dequantize B in registers as the wgmma A operand, run the mainloop compiled
 for the tile's width, and store C^T tiles by TMA. Barriers and copies are the DSL's pipeline classes and TMA
 atoms, as on Blackwell; inline PTX is left for the operand conversions and hand-addressed shared memory.
-The other variants (`SM90_VARIANT_CONFIGS`) use 128-row tiles on the round-robin `GroupTileScheduler`, and
-those without the prepass convert A in a transform warpgroup of every CTA. Both arches share the host path:
-constraint check, pointer/size tables, launch metadata cache, compile cache, the prepared-call fast path and
-the launch paths (`LAUNCH_PATH`: the DSL's TVM-FFI entry where apache-tvm-ffi imports, else its ctypes entry
-with arguments packed once).
+`sm90_tile128` uses 128-row tiles on the round-robin `GroupTileScheduler` and converts A in a transform
+warpgroup of every CTA. Both arches share the host path: constraint check, pointer/size tables, launch
+metadata cache, compile cache, the prepared-call fast path and the launch paths (`LAUNCH_PATH`: by default
+the DSL's ctypes entry with arguments packed once).
 docs/HOPPER_NOTES.md has the design and log.
 
 Which GPU queue: every kernel here (table upload, descriptor preparation, GEMM) runs on the legacy default
@@ -424,15 +424,15 @@ class Sm90GemmConfig:
     A tile is 128 rows of B (two consumer warpgroups x 64, the wgmma M) by 128 rows of A, or (m_exact) by one
     of SM90_WIDTHS. (Tiles of 256 rows of B lost on every benchmark and are retired: docs/HOPPER_NOTES.md.)
     num_stages: depth of the fp4 + scale ring (0: 4).
-    a16_prepass: A (the small operand) is converted to fp16 once per call by `Sm90AConvertKernel` into the
-      launch's workspace, and the GEMM TMA-loads it (no transform warpgroup work); False: the transform
+    a16_prepass: A (the small operand) is converted to fp16 once per call into the launch's workspace (in the
+      GEMM's own launch, or by `Sm90AConvertKernel`: a16_fused), and the GEMM TMA-loads it (no transform warpgroup work); False: the transform
       warpgroup converts A in every CTA that needs it (once per N tile).
     a16_fused: with a16_prepass, the conversion is the first phase of the GEMM's own launch (every CTA converts
       its share, then a grid-wide barrier, `sm90_grid_arrive_and_wait`, orders it before the first fp16 A
-      load): one launch per call, host cost per cached call that of a single-launch variant (H200: 5.2 vs
-      9.5 us). Off by default: on the GPU it measured 7.5 / 11 / 0.4 / 1.5 us slower per call than the
-      separate `Sm90AConvertKernel` launch (docs/HOPPER_NOTES.md v16; cause not yet found). Correct and
-      sanitizer-clean on an H200; tests/test_gpu_hopper.py keeps running it.
+      load): one launch per call, host cost per cached call that of a single-launch variant (H200: 5.3 vs
+      10.0 us for two launches, 5.0 for `sm90_tile128`). False: `Sm90AConvertKernel` runs as a launch of its
+      own before the GEMM; kept as the measured comparison (on the GPU it was 0.7 / 1.4 % faster on bench0 /
+      bench2 and 1.9 / 3.3 % slower on bench1 / bench3: docs/HOPPER_NOTES.md v16), tested on the GPU.
     m_exact: M-exact tiles (with a16_prepass): a tile covers one M split of a group, as wide as the
       split rounded up to one of SM90_WIDTHS (the wgmma N), so a group of M <= 192 is one tile row and B is
       converted once per split instead of once per 128 rows; the host plans the splits and a cost-balanced
@@ -445,7 +445,7 @@ class Sm90GemmConfig:
     num_stages: int = 0
     use_pdl: bool = USE_PDL  # programmatic dependent launch
     a16_prepass: bool = False
-    a16_fused: bool = False
+    a16_fused: bool = True
     m_exact: bool = False
     max_width: int = SM90_WIDTHS[-1]
 
@@ -2656,8 +2656,8 @@ class Sm90BlockScaledGroupedGemmKernel:
     `PipelineTmaStore`. Chunk counters give every pipeline state (`ring_state`). Loads and stores are TMA
     copy atoms on the prepared descriptors; the scale slices bulk copies.
 
-    config.a16_prepass: A arrives as fp16, converted once per call by `Sm90AConvertKernel` into the
-    workspace after the descriptor rows (`a16_offset`); the producer TMA-loads it straight into the fp16
+    config.a16_prepass: A arrives as fp16, converted once per call into the workspace after the descriptor rows
+    and the grid-barrier words (`a16_offset`), by this launch's first phase (a16_fused) or `Sm90AConvertKernel`; the producer TMA-loads it straight into the fp16
     A buffers (a16_full completes on the transaction bytes), the transform warpgroup has nothing to do,
     and a stage holds only B and SFB.
     """

@@ -1,7 +1,7 @@
 """The workload of tests/test_gpu_sanitizer.py, run under compute-sanitizer in its own process.
 
-`python tests/sanitize_case.py VARIANT [VARIANT ...]`: for each Hopper variant ("fused": sm90_a16_mexact with
-`Sm90GemmConfig.a16_fused`), two multi-group inputs (the
+`python tests/sanitize_case.py VARIANT [VARIANT ...]`: for each Hopper variant ("two_launch": sm90_a16_mexact
+with `Sm90GemmConfig.a16_fused=False`), two multi-group inputs (the
 case that first showed a racecheck hazard, and one whose rings wrap many times with group changes in every
 CTA), outputs poisoned with NaN, checked against the reference after the run. Exits 1 on a wrong result.
 """
@@ -27,10 +27,10 @@ CASES = (
 def main(variants) -> int:
     bad = 0
     for variant in variants:
-        if variant == "fused":  # sm90_a16_mexact with the A conversion as the GEMM launch's first phase
-            submission.SM90_VARIANT_CONFIGS["fused"] = dataclasses.replace(
-                submission.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], a16_fused=True)
-            submission.SM90_VARIANTS = (*submission.SM90_VARIANTS, "fused")
+        if variant == "two_launch":  # sm90_a16_mexact with the A conversion as a launch of its own
+            submission.SM90_VARIANT_CONFIGS["two_launch"] = dataclasses.replace(
+                submission.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], a16_fused=False)
+            submission.SM90_VARIANTS = (*submission.SM90_VARIANTS, "two_launch")
         submission.set_sm90_variant(variant)
         for case in CASES:
             data = reference.generate_input(**case)

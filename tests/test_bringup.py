@@ -419,6 +419,20 @@ def test_job_benchmark_uses_the_runners_method(stand_in):
     assert result["status"] == "fail" and "mismatch" in result["error"]
 
 
+def test_job_benchmark_hands_the_flush_memory_back(stand_in, monkeypatch):
+    # Regression: the runner's 64 GB L2 flush stayed in torch's cache of the worker that timed first, and the
+    # next variant's worker ran out of GPU memory (H200 bring-up). Each benchmark job releases it, pass or fail.
+    released = []
+    monkeypatch.setattr(bringup, "_release_gpu_memory", lambda: released.append(True))
+    stand_in(reference.ref_kernel)
+    case = ev.TestCase(args=dict(m=(64,), n=(128,), k=(256,), g=1, seed=3), spec="x")
+    bringup.job_benchmark(case, 4, 10e9)
+    monkeypatch.setattr(bringup.harness, "_run_single_benchmark", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        bringup.job_benchmark(case, 4, 10e9)
+    assert released == [True, True]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # bringup: one variant's driver, on fake workers
 # ---------------------------------------------------------------------------------------------------------

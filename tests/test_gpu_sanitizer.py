@@ -50,7 +50,7 @@ TOOLS = {
 def _variants():
     import submission
 
-    return [*submission.SM90_VARIANT_CONFIGS, "fused"]
+    return [*submission.SM90_VARIANT_CONFIGS, "two_launch"]
 
 
 @pytest.mark.parametrize("tool", list(TOOLS))
