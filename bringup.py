@@ -328,13 +328,6 @@ def job_hello() -> dict:
                 capability=list(torch.cuda.get_device_capability()))
 
 
-def job_state() -> dict:
-    """The launch path at the end (the default tvm_ffi falls back to prepacked if it cannot build)."""
-    import submission
-
-    return dict(launch_path=submission.LAUNCH_PATH)
-
-
 def _max_abs_error(out, expected) -> float:
     worst = 0.0
     for o, e in zip(out, expected):
@@ -707,7 +700,7 @@ class VariantRun:
         self.plan, self.limits, self.start_worker, self.log = plan, limits, start_worker, log
         self.name = plan["name"]
         self.result = dict(variant=self.name, worker=None, builds={}, cases={}, benchmarks={}, losses=0,
-                           log=plan.get("log"), launch_path_end=None)
+                           log=plan.get("log"))
         self.lock = threading.Lock()
         self.runners = {}  # shard index -> ShardRunner
         self.cancelled = threading.Event()  # set when the whole run stops (Ctrl-C): no further calls
@@ -852,8 +845,8 @@ def run_variants(plans: list, cases: list, benchmarks: list, limits: Limits, job
             outcome = runner.call("bringup:job_check", (case["args"],), limits.case_timeout)
             run.result["cases"][case["label"]] = outcome
             log(f"{testing.tick()} [{run.name}] {case['label']:<14} {_outcome_text(outcome)}")
-        if not bench_groups & set(shard.groups) and shard.index:
-            runner.close()  # not needed for timing (the first shard stays for job_state)
+        if not bench_groups & set(shard.groups):
+            runner.close()  # not needed for timing
 
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(jobs, len(shards))))
     try:
@@ -902,11 +895,6 @@ def run_variants(plans: list, cases: list, benchmarks: list, limits: Limits, job
                 shown += f"; the tile model: {predicted:.2f} µs"
             log(f"{timing.tick()} [{run.name}] {bench.label:<14} {shown}")
     for run in runs.values():
-        alive = [r for _, r in sorted(run.runners.items()) if r.worker is not None]
-        if alive:
-            kind, payload = alive[0].worker.call("bringup:job_state", (), 60)
-            if kind == "ok":
-                run.result["launch_path_end"] = payload["launch_path"]
         for runner in run.runners.values():
             runner.close()
         run.result["seconds"] = round(time.monotonic() - started, 1)
@@ -1052,7 +1040,7 @@ def format_report(cases: list, benchmarks: list, results: dict, rec: dict, limit
     out += ["", "variants"]
     for n in names:
         state, why = verdict(results[n])
-        path = results[n].get("launch_path_end") or (results[n].get("worker") or {}).get("launch_path") or "?"
+        path = (results[n].get("worker") or {}).get("launch_path") or "?"
         out.append(f"  {n:<20} {state.upper():<8} launch path {path:<10}" + (f" {why}" if why else ""))
     failures = [(n, f"build {label}", b) for n in names for label, b in results[n].get("builds", {}).items()
                 if b["status"] != "ok"]

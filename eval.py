@@ -285,17 +285,21 @@ def human_profile(pool, tests: list[TestCase]) -> int:
 # compile: build without a GPU and read the SASS
 # ---------------------------------------------------------------------------------------------------------
 def find_cuda_tool(name: str) -> Optional[str]:
-    """`name` on PATH, else from the NVIDIA wheels (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)."""
+    """`name` on PATH, else from the NVIDIA wheels (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm), else in the
+    CUDA toolkit ($CUDA_HOME/bin, /usr/local/cuda/bin: compute-sanitizer has no wheel)."""
     found = shutil.which(name)
     if found:
         return found
     try:
         import nvidia
     except ImportError:
-        return None
+        nvidia = None
     for root in getattr(nvidia, "__path__", []):
         for candidate in sorted(Path(root).glob(f"*/bin/{name}")):
             return str(candidate)
+    for base in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if base and (Path(base) / "bin" / name).is_file():
+            return str(Path(base) / "bin" / name)
     return None
 
 

@@ -425,8 +425,8 @@ class Sm90GemmConfig:
     of SM90_WIDTHS. (Tiles of 256 rows of B lost on every benchmark and are retired: docs/HOPPER_NOTES.md.)
     num_stages: depth of the fp4 + scale ring (0: 4).
     a16_prepass: A (the small operand) is converted to fp16 once per call into the launch's workspace (in the
-      GEMM's own launch, or by `Sm90AConvertKernel`: a16_fused), and the GEMM TMA-loads it (no transform warpgroup work); False: the transform
-      warpgroup converts A in every CTA that needs it (once per N tile).
+      GEMM's own launch, or by `Sm90AConvertKernel`: a16_fused), and the GEMM TMA-loads it (no transform
+      warpgroup work); False: the transform warpgroup converts A in every CTA that needs it (once per N tile).
     a16_fused: with a16_prepass, the conversion is the first phase of the GEMM's own launch (every CTA converts
       its share, then a grid-wide barrier, `sm90_grid_arrive_and_wait`, orders it before the first fp16 A
       load): one launch per call, host cost per cached call that of a single-launch variant (H200: 5.3 vs
@@ -2361,7 +2361,8 @@ def release_read_stage(pipe, state):
     model orders lane 1's load of a scale word before the producer's next bulk copy into that stage, and
     compute-sanitizer's racecheck reported exactly that write-after-read hazard (multi-group runs, once the
     ring wraps). A warp sync first would order it, but ptxas drops the WARPSYNC of a converged warp, so the
-    tool cannot see it. A warp's 32 arrivals issue as one instruction, the cost of lane 0's alone."""
+    tool cannot see it. A warp's 32 arrivals issue as one instruction, yet the kernel measured 0-2 % slower
+    with them than with lane 0's alone (H200; docs/HOPPER_NOTES.md v16)."""
     pipe.sync_object_empty.arrive(state.index, None)
 
 
@@ -2519,7 +2520,8 @@ SM90_SYNC_BYTES = 128
 @cute.jit
 def sm90_a16_group_offset(sizes: cute.Tensor, group, num_groups: cutlass.Constexpr[int]) -> cutlass.Int64:
     """Byte offset of group `group`'s fp16 A (M x K x 2 bytes, groups in order) in a Hopper prepass
-    workspace: after the descriptor rows and the grid-barrier words (`Sm90BlockScaledGroupedGemmKernel.a16_offset`)."""
+    workspace: after the descriptor rows and the grid-barrier words
+    (`Sm90BlockScaledGroupedGemmKernel.a16_offset`)."""
     offset = cutlass.Int64(Sm90BlockScaledGroupedGemmKernel.a16_offset(num_groups))
     for i in cutlass.range(group, unroll=1):
         offset = offset + cutlass.Int64(sizes[i, int(SizeColumn.M)]) * sizes[i, int(SizeColumn.K)] * 2
@@ -2657,9 +2659,9 @@ class Sm90BlockScaledGroupedGemmKernel:
     copy atoms on the prepared descriptors; the scale slices bulk copies.
 
     config.a16_prepass: A arrives as fp16, converted once per call into the workspace after the descriptor rows
-    and the grid-barrier words (`a16_offset`), by this launch's first phase (a16_fused) or `Sm90AConvertKernel`; the producer TMA-loads it straight into the fp16
-    A buffers (a16_full completes on the transaction bytes), the transform warpgroup has nothing to do,
-    and a stage holds only B and SFB.
+    and the grid-barrier words (`a16_offset`), by this launch's first phase (a16_fused) or `Sm90AConvertKernel`;
+    the producer TMA-loads it straight into the fp16 A buffers (a16_full completes on the transaction bytes),
+    the transform warpgroup has nothing to do, and a stage holds only B and SFB.
     """
 
     EPILOGUE_BARRIER = 2
@@ -2702,7 +2704,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         self.threads = 512
         self.producer_regs = 24
         # With the prepass the transform warpgroup is idle and gives its registers to the consumers:
-        # 128 x (24 + 24) + 256 x 232 = 65536. NOTES: the widest accumulator (64 x 192 of m_exact) needs them: with 208, ptxas serializes every wgmma (C7512) or spills.
+        # 128 x (24 + 24) + 256 x 232 = 65536. NOTES: the widest accumulator (64 x 192 of m_exact) needs them:
+        # with 208, ptxas serializes every wgmma (C7512) or spills.
         self.transform_regs = 24 if self.prepass else 64
         self.consumer_regs = 232 if self.prepass else 208
 
@@ -2717,10 +2720,14 @@ class Sm90BlockScaledGroupedGemmKernel:
         """Byte offset of the grid-barrier words in the workspace (after the descriptor rows)."""
         return num_groups * len(Sm90TensorMapSlot) * TENSORMAP_BYTES
 
+    def sync_address(self, tensormaps: cute.Tensor):
+        """Address of this launch's grid-barrier words (the workspace is `tensormaps`' buffer)."""
+        return tensormaps.iterator.toint() + self.sync_offset(self.num_groups)
+
     @staticmethod
     def a16_offset(num_groups: int) -> int:
-        """Byte offset of the fp16 A region in the workspace (after the grid-barrier words, 1024-aligned as the
-        region was before the barrier words came: measured 0.7-2 % slower with 128; prepass only)."""
+        """Byte offset of the fp16 A region in the workspace (after the grid-barrier words, rounded up to 1024
+        bytes, at least the alignment the region had before they came; prepass only)."""
         return ceil_div(Sm90BlockScaledGroupedGemmKernel.sync_offset(num_groups) + SM90_SYNC_BYTES, 1024) * 1024
 
     @staticmethod
@@ -2802,7 +2809,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         zero the grid-barrier words of the fused A conversion."""
         if cutlass.const_expr(self.fused_convert):
             if group == 0 and cute.arch.lane_idx() == 0:
-                sync = tensormaps.iterator.toint() + self.sync_offset(self.num_groups)
+                sync = self.sync_address(tensormaps)
                 st_global_u32(sync, cutlass.Uint32(0))
                 st_global_u32(sync + 4, cutlass.Uint32(0))
 
@@ -2993,8 +3000,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         if cutlass.const_expr(self.fused_convert):
             # this CTA's arrival (its conversion is done: the kernel's barrier after phase 1), then every CTA's
             if cute.arch.lane_idx() == 0:
-                sm90_grid_arrive_and_wait(descriptors.tensormaps.iterator.toint() + self.sync_offset(self.num_groups),
-                                          cutlass.Uint32(grid - 1))
+                sm90_grid_arrive_and_wait(self.sync_address(descriptors.tensormaps), cutlass.Uint32(grid - 1))
             cute.arch.sync_warp()
             fence_global_for_async_proxy()  # the other CTAs' fp16 A, written by the generic proxy, before TMA loads
         chunk = cutlass.Int32(0)
@@ -3449,7 +3455,8 @@ def kernel_parts(config) -> tuple:
     """The compiled kernels a variant launches: the GEMM, the descriptor preparation where it has one (once
     per input set), and the Hopper A prepass (every call, before the GEMM) where the config asks for it."""
     if isinstance(config, Sm90GemmConfig):
-        return ("gemm", "tensormaps", "convert") if config.a16_prepass and not config.a16_fused else ("gemm", "tensormaps")
+        separate_convert = config.a16_prepass and not config.a16_fused
+        return ("gemm", "tensormaps", "convert") if separate_convert else ("gemm", "tensormaps")
     if isinstance(config, Sm100PersistentConfig) and config.descriptors_up_front:
         return ("gemm", "tensormaps")
     return ("gemm",)
@@ -3507,8 +3514,8 @@ def compile_for(num_groups: int, arch: Optional[str] = None, variant: Optional[s
 def build_kernels(problem_sizes, device: Optional[torch.device] = None) -> list:
     """Build, without launching, every kernel custom_kernel launches for groups of these sizes ((m, n, k, l)
     each) on `device` (default: the current GPU), through custom_kernel's own choices and cache: groups with
-    M = 0 dropped, `kernel_config`'s kernel (SM90_VARIANT / KERNEL_VARIANT, the tile per problem), the launch
-    path's GEMM (`compiled_gemm`), its other parts and the table upload. Returns their compile keys (none when
+    M = 0 dropped, `kernel_config`'s kernel (SM90_VARIANT / KERNEL_VARIANT, the tile per problem), the GEMM
+    for LAUNCH_PATH, its other parts and the table upload. Returns their compile keys (none when
     every group is empty). `eval.py bringup` builds each variant's kernels with it before its cases run."""
     sizes = [tuple(size) for size in problem_sizes if size[0] != 0]
     if not sizes:
@@ -3516,10 +3523,9 @@ def build_kernels(problem_sizes, device: Optional[torch.device] = None) -> list:
     device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
     _check_device(device)
     arch, config = _target_arch(device), kernel_config((None, None, None, sizes), device)
-    compiled_gemm(len(sizes), arch, config)  # first: it may leave "tvm_ffi" for "prepacked", which the keys hold
     keys = [compile_key(len(sizes), arch, config, part) for part in kernel_parts(config)]
     keys.append(compile_key(len(sizes), arch, TABLE_UPLOAD_CONFIG, "upload"))
-    for key in keys[1:]:
+    for key in keys:
         compiled_kernel(key)
     return keys
 

@@ -448,8 +448,6 @@ class FakeWorker:
         assert self.alive
         if job == "bringup:job_hello":
             return "ok", dict(kernel_variant=self.variant, launch_path="tvm_ffi")
-        if job == "bringup:job_state":
-            return "ok", dict(launch_path="prepacked")
         if job == "bringup:job_build":
             self.built.append(tuple(bringup.kernel_groups(args) for args in args[0]))
             return "ok", dict(status="ok", kernels=2, seconds=0.1)
@@ -511,7 +509,7 @@ def test_driver_all_pass_then_benchmarks_in_one_worker():
     assert [c["status"] for c in result["cases"].values()] == ["pass"] * 6
     assert {k: b["mean_us"] for k, b in result["benchmarks"].items()} == {"bench1": 20.0, "bench2": 10.0}
     assert result["benchmarks"]["bench1"]["runs"] == 7
-    assert result["launch_path_end"] == "prepacked" and result["worker"]["launch_path"] == "tvm_ffi"
+    assert result["worker"]["launch_path"] == "tvm_ffi"
     assert bringup.verdict(result) == ("pass", "")
     assert any("c3" in line for line in lines)
 
@@ -741,7 +739,7 @@ def _result(statuses, means):
                 benchmarks={f"bench{i + 1}": (dict(status="ok", mean_us=m, err_us=0.05) if m else
                                               dict(status="not run", error="failed"))
                             for i, m in enumerate(means)},
-                worker=dict(launch_path="tvm_ffi"), launch_path_end="tvm_ffi")
+                worker=dict(launch_path="tvm_ffi"))
 
 
 LABELS = ["bench1", "bench2"]

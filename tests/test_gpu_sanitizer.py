@@ -5,15 +5,14 @@ Fails on any reported hazard or error, or on a wrong result. Skipped without an 
 compute-sanitizer. memcheck does not count host API errors (`--report-api-errors no`): DSL 4.8's own driver
 probing returns invalid-value from cuGetProcAddress once per compile; device-side errors are what it is for.
 """
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import eval as ev
 from conftest import cuda_capability
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,20 +23,10 @@ except ImportError:
     HAVE_DSL = False
 
 
-def _sanitizer():
-    found = shutil.which("compute-sanitizer")
-    if found:
-        return found
-    for base in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
-        candidate = Path(base, "bin", "compute-sanitizer")
-        if base and candidate.exists():
-            return str(candidate)
-    return None
-
-
-SANITIZER = _sanitizer()
+SANITIZER = ev.find_cuda_tool("compute-sanitizer")
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (cuda_capability() == (9, 0) and HAVE_DSL), reason="needs an sm_90 GPU and the DSL"),
+              pytest.mark.skipif(not (cuda_capability() == (9, 0) and HAVE_DSL),
+                                 reason="needs an sm_90 GPU and the DSL"),
               pytest.mark.skipif(SANITIZER is None, reason="compute-sanitizer not found")]
 
 TOOLS = {
