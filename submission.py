@@ -89,7 +89,7 @@ import functools
 import heapq
 import importlib.metadata
 import os
-from collections import OrderedDict, deque
+from collections import OrderedDict, defaultdict, deque
 from operator import is_
 from typing import Callable, Optional
 
@@ -440,6 +440,9 @@ class Sm90GemmConfig:
     max_width: m_exact only: the widest tile (one of SM90_WIDTHS; the plan splits groups so that none is wider).
       The fp16 A buffers are this many rows, so a narrower maximum leaves room for more of them
       (`Sm90BlockScaledGroupedGemmKernel.num_a16`).
+    stream_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
+      (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
+      the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
     """
 
     num_stages: int = 0
@@ -448,6 +451,7 @@ class Sm90GemmConfig:
     a16_fused: bool = True
     m_exact: bool = False
     max_width: int = SM90_WIDTHS[-1]
+    stream_k: bool = True
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
@@ -487,31 +491,63 @@ def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Sm90WorkPlan:
-    """The M-exact kernel's schedule for one problem: how each group's M is split, and which tiles each
-    CTA runs (`plan_sm90_work`). `words()` is its device form, what the kernel reads."""
+    """The M-exact kernel's schedule for one problem: how each group's M is split, and which tiles (or, with
+    stream-K, K ranges of tiles: parts) each CTA runs (`plan_sm90_work`). `words()` is its device form, what
+    the kernel reads."""
 
     splits: tuple  # per group: (number of M splits, width of each: one of SM90_WIDTHS)
-    cta_tiles: tuple  # per CTA: its tiles in order, each (group, first row, width index, N tile)
+    # per CTA: its parts in order, each SM90_PART_WORDS words: (group, first row, width index, N tile, first
+    # 128-k chunk, chunks, split tile index or -1 for a whole tile, part | parts << 8 | first slot << 16)
+    cta_tiles: tuple
     makespan: float  # the busiest CTA's cost (SM90 cost units)
+    num_split_tiles: int = 0  # tiles whose K is split over several parts (stream-K); each has one counter
+    num_slots: int = 0  # fp32 partial-accumulator slots: one per part of a split tile
 
     @property
     def num_tiles(self) -> int:
+        """Parts in the plan (a whole tile is one part)."""
         return sum(len(tiles) for tiles in self.cta_tiles)
 
-    def words(self) -> list:
-        """int32 words: the CTAs' first-tile offsets (grid + 1 of them, padded to a multiple of 4), then four
-        words per tile (group, first row, width index, N tile), each CTA's tiles contiguous."""
+    def words(self, partials_kb: int = 0) -> list:
+        """int32 words: a header of SM90_PART_WORDS-word rows (the partial slots' workspace offset in KB, then
+        the CTAs' first-part offsets, grid + 1 of them), then SM90_PART_WORDS words per part, each CTA's
+        parts contiguous."""
         offsets, total = [], 0
         for tiles in self.cta_tiles:
             offsets.append(total)
             total += len(tiles)
         offsets.append(total)
-        header = offsets + [0] * (-len(offsets) % 4)
+        header = [partials_kb] + offsets
+        header += [0] * (-len(header) % SM90_PART_WORDS)
         return header + [word for tiles in self.cta_tiles for tile in tiles for word in tile]
+
+
+# Words per part in the Hopper work list (`Sm90WorkPlan.cta_tiles`).
+SM90_PART_WORDS = 8
+# Stream-K: a part of a split tile writes its fp32 partial accumulator to a slot, and the last part to finish
+# reads all of the tile's slots back and stores the tile: cost per part, in cost units per row of A (the
+# write, and its share of the read, of 512 bytes per row of A; a first estimate, for the H200 to settle).
+SM90_SPLIT_COST_PER_ROW = 1.5
+# Stream-K: no part shorter than this many 128-k chunks (a part costs a tile's start and finish).
+SM90_MIN_PART_CHUNKS = 2
+# Stream-K: at most this many split tiles (one arrival counter each per consumer warpgroup in the workspace),
+# and parts per tile (the last part reads them all back: its fix-up grows with their number).
+SM90_MAX_SPLIT_TILES = 1024
+SM90_MAX_PARTS = 4
+# Stream-K is planned where whole tiles are this few per CTA (beyond, the whole-tile plan is balanced to
+# within a small fraction) and taken where it predicts a makespan this much shorter.
+SM90_STREAM_K_TILES_PER_CTA = 8
+SM90_STREAM_K_GAIN = 0.97
 
 
 def sm90_tile_cost(width: int, k: int) -> float:
     return (k // 128) * (width + SM90_CHUNK_OVERHEAD_ROWS) + SM90_TILE_OVERHEAD
+
+
+def sm90_part_cost(width: int, chunks: int, split: bool) -> float:
+    """Cost of one part: `chunks` 128-k chunks of a tile of `width` rows, plus the fix-up share if split."""
+    return (chunks * (width + SM90_CHUNK_OVERHEAD_ROWS) + SM90_TILE_OVERHEAD
+            + (SM90_SPLIT_COST_PER_ROW * width if split else 0))
 
 
 def sm90_widths(max_width: int) -> tuple:
@@ -545,34 +581,116 @@ def _sm90_makespan(problem_sizes, splits: list, num_sms: int) -> float:
 SM90_SIMULATED_TILES_PER_CTA = 8
 
 
-def _sm90_assign(problem_sizes, splits: list, num_sms: int) -> tuple:
-    """Longest-processing-time assignment of every tile to the least loaded CTA: (makespan, per-CTA tiles)."""
+def _sm90_tiles(problem_sizes, splits: list) -> list:
+    """Every tile of `splits`: (group, first row, width, N tile), in group, M split, N tile order."""
     tiles = []
-    for g, ((m, n, k, _), s) in enumerate(zip(problem_sizes, splits)):
+    for g, ((m, n, _, _), s) in enumerate(zip(problem_sizes, splits)):
         width = _sm90_split_width(m, s)
-        cost = sm90_tile_cost(width, k)
-        tiles += [(cost, g, i * width, SM90_WIDTHS.index(width), nt) for i in range(s) for nt in range(n // 128)]
+        tiles += [(g, i * width, width, nt) for i in range(s) for nt in range(n // 128)]
+    return tiles
+
+
+def _sm90_assign(problem_sizes, splits: list, num_sms: int) -> tuple:
+    """Longest-processing-time assignment of every tile to the least loaded CTA: (makespan, per-CTA parts)."""
+    tiles = [(sm90_tile_cost(w, problem_sizes[g][2]), g, m0, w, nt) for g, m0, w, nt in _sm90_tiles(problem_sizes, splits)]
     tiles.sort(key=lambda t: -t[0])  # stable: equal costs keep group, split, N order
     grid = min(num_sms, len(tiles))
     heap = [(0.0, cta) for cta in range(grid)]
     per_cta = [[] for _ in range(grid)]
-    for cost, *tile in tiles:
+    for cost, g, m0, w, nt in tiles:
         load, cta = heapq.heappop(heap)
-        per_cta[cta].append(tuple(tile))
+        per_cta[cta].append((g, m0, SM90_WIDTHS.index(w), nt, 0, problem_sizes[g][2] // 128, -1, 0))
         heapq.heappush(heap, (load + cost, cta))
     return max(load for load, _ in heap), per_cta
 
 
+def _sm90_stream_k_fill(tiles: list, chunks: list, limit: float, grid: int):
+    """Deal `tiles` (each `chunks[i]` 128-k chunks) in order onto at most `grid` CTAs of at most `limit`
+    cost each, splitting a tile's K where it does not fit whole: per CTA its parts (tile index, first chunk,
+    chunks), or None where `grid` CTAs do not suffice."""
+    ctas, load = [[]], 0.0
+    for t, ((_, _, width, _), count) in enumerate(zip(tiles, chunks)):
+        k0, parts = 0, 1
+        while k0 < count:
+            rest = count - k0
+            if sm90_part_cost(width, rest, k0 > 0) <= limit - load:
+                ctas[-1].append((t, k0, rest))
+                load += sm90_part_cost(width, rest, k0 > 0)
+                break
+            take = int((limit - load - sm90_part_cost(width, 0, True)) // (width + SM90_CHUNK_OVERHEAD_ROWS))
+            if parts < SM90_MAX_PARTS and take >= SM90_MIN_PART_CHUNKS and rest - take >= SM90_MIN_PART_CHUNKS:
+                ctas[-1].append((t, k0, take))
+                load += sm90_part_cost(width, take, True)
+                k0, parts = k0 + take, parts + 1
+            elif load == 0.0:
+                return None  # the rest fits no CTA whole and may not be split further
+            if len(ctas) == grid:
+                return None
+            ctas.append([])
+            load = 0.0
+    return ctas
+
+
+def _sm90_stream_k(problem_sizes, splits: list, num_sms: int) -> Optional[Sm90WorkPlan]:
+    """Stream-K plan of the tiles of `splits`: tiles in order, dealt onto the CTAs as contiguous runs of
+    equal cost (the shortest limit that `_sm90_stream_k_fill` meets, by bisection), a tile that does not fit
+    whole split in K across consecutive CTAs. None where nothing is split (then the whole-tile plan is
+    better) or the counters would not suffice."""
+    tiles = _sm90_tiles(problem_sizes, splits)
+    chunks = [problem_sizes[g][2] // 128 for g, _, _, _ in tiles]
+    total = sum(sm90_tile_cost(w, problem_sizes[g][2]) for g, _, w, _ in tiles)
+    grid = min(num_sms, len(tiles) * max(chunks))
+    lo, hi = total / grid, total
+    best = _sm90_stream_k_fill(tiles, chunks, hi, grid)
+    for _ in range(24):
+        mid = (lo + hi) / 2
+        ctas = _sm90_stream_k_fill(tiles, chunks, mid, grid)
+        if ctas is None:
+            lo = mid
+        else:
+            hi, best = mid, ctas
+    parts_of = defaultdict(list)
+    for b, parts in enumerate(best):
+        for j, (t, _, _) in enumerate(parts):
+            parts_of[t].append((b, j))
+    split = {t: i for i, t in enumerate(t for t in sorted(parts_of) if len(parts_of[t]) > 1)}
+    if not split or len(split) > SM90_MAX_SPLIT_TILES:
+        return None
+    info, slots = {}, 0
+    for t in split:
+        for p, where in enumerate(parts_of[t]):
+            info[where] = p | (len(parts_of[t]) << 8) | (slots << 16)
+        slots += len(parts_of[t])
+    cta_tiles, makespan = [], 0.0
+    for b, parts in enumerate(best):
+        row, load = [], 0.0
+        for j, (t, k0, count) in enumerate(parts):
+            g, m0, width, nt = tiles[t]
+            s = split.get(t, -1)
+            row.append((g, m0, SM90_WIDTHS.index(width), nt, k0, count, s, info.get((b, j), 0)))
+            load += sm90_part_cost(width, count, s >= 0)
+        cta_tiles.append(tuple(row))
+        makespan = max(makespan, load)
+    widths = tuple((s, _sm90_split_width(m, s)) for (m, _, _, _), s in zip(problem_sizes, splits))
+    return Sm90WorkPlan(widths, tuple(cta_tiles), makespan, len(split), slots)
+
+
 @functools.lru_cache(maxsize=256)
-def plan_sm90_work(problem_sizes: tuple, num_sms: int, max_width: int = SM90_WIDTHS[-1]) -> Sm90WorkPlan:
+def plan_sm90_work(problem_sizes: tuple, num_sms: int, max_width: int = SM90_WIDTHS[-1],
+                   stream_k: bool = True) -> Sm90WorkPlan:
     """M splits and a balanced work list for the M-exact Hopper kernel (host side, once per problem shape).
 
-    Start: the best of "every group split into the fewest tiles of at most `cap` rows" over each cap in
-    SM90_WIDTHS up to `max_width` (the kernel's widest tile, `Sm90GemmConfig.max_width`); then, greedily,
-    the group whose extra split lowers the predicted makespan (`_sm90_makespan`) most gets one, while that
-    gains more than 1 %. More splits fill more SMs but convert B once more per split and pad more rows. Tiles
-    go to CTAs longest first, each to the least loaded (`_sm90_assign`), so uneven widths still balance. Host
-    cost: ~5 ms for the benchmarks, ~0.1 s for 128 groups of up to 3000 rows (66k tiles).
+    Whole tiles: start from the best of "every group split into the fewest tiles of at most `cap` rows" over
+    each cap in SM90_WIDTHS up to `max_width` (the kernel's widest tile, `Sm90GemmConfig.max_width`); then,
+    greedily, the group whose extra split lowers the predicted makespan (`_sm90_makespan`) most gets one,
+    while that gains more than 1 %. More splits fill more SMs but convert B once more per split and pad more
+    rows. Tiles go to CTAs longest first, each to the least loaded (`_sm90_assign`), so uneven widths still
+    balance. Host cost: ~5 ms for the benchmarks, ~0.1 s for 128 groups of up to 3000 rows (66k tiles).
+
+    Stream-K (`stream_k`, where whole tiles are few per CTA): for each cap, the fewest splits' tiles dealt as
+    equal-cost runs with tiles split in K across CTAs (`_sm90_stream_k`); splitting K converts no B twice, so
+    the widest tiles can fill the SMs. Taken where its predicted makespan, fix-up included, beats the
+    whole-tile plan's by 3 %.
     """
     starts = []
     for cap in sm90_widths(max_width):
@@ -594,14 +712,24 @@ def plan_sm90_work(problem_sizes: tuple, num_sms: int, max_width: int = SM90_WID
         best, splits = makespan, trial
     makespan, per_cta = _sm90_assign(problem_sizes, splits, num_sms)
     widths = tuple((s, _sm90_split_width(m, s)) for (m, _, _, _), s in zip(problem_sizes, splits))
-    return Sm90WorkPlan(widths, tuple(tuple(tiles) for tiles in per_cta), makespan)
+    plan = Sm90WorkPlan(widths, tuple(tuple(tiles) for tiles in per_cta), makespan)
+    if stream_k and plan.num_tiles <= SM90_STREAM_K_TILES_PER_CTA * len(plan.cta_tiles):
+        for cap in sm90_widths(max_width):
+            other = _sm90_stream_k(problem_sizes, [ceil_div(m, cap) for m, _, _, _ in problem_sizes], num_sms)
+            if other is not None and other.makespan < SM90_STREAM_K_GAIN * plan.makespan:
+                plan = other
+    return plan
 
 
 @functools.lru_cache(maxsize=64)
-def sm90_work_list(problem_sizes: tuple, num_sms: int, max_width: int, device: torch.device) -> torch.Tensor:
-    """`plan_sm90_work`'s words as a device int32 tensor, made once per problem shape, widest tile and device
-    (an ordinary copy, which waits for the device: only the first call of a new problem shape pays it)."""
-    return torch.tensor(plan_sm90_work(problem_sizes, num_sms, max_width).words(), dtype=torch.int32, device=device)
+def sm90_work_list(problem_sizes: tuple, num_sms: int, max_width: int, stream_k: bool,
+                   device: torch.device) -> torch.Tensor:
+    """`plan_sm90_work`'s words as a device int32 tensor, made once per problem shape, widest tile, plan kind
+    and device (an ordinary copy, which waits for the device: only the first call of a new problem shape pays
+    it)."""
+    plan = plan_sm90_work(problem_sizes, num_sms, max_width, stream_k)
+    partials_kb = Sm90BlockScaledGroupedGemmKernel.partials_offset(problem_sizes) // 1024 if plan.num_slots else 0
+    return torch.tensor(plan.words(partials_kb), dtype=torch.int32, device=device)
 
 
 # How custom_kernel picks its Hopper kernel: "sm90_auto" per problem (choose_sm90_config), or one entry of
@@ -2475,6 +2603,51 @@ def st_global_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ld_global_v4(addr, *, loc=None, ip=None):
+    """Four 32-bit words of read-only global memory (16-byte aligned)."""
+    r = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_i64(addr, loc, ip)],
+             "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", False, loc, ip)
+    return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def st_global_v4_f32(addr, v0, v1, v2, v3, *, loc=None, ip=None):
+    _asm(None, [_i64(addr, loc, ip)] + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)],
+         "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def ld_global_cg_v4_f32(addr, *, loc=None, ip=None):
+    """Four floats written by other CTAs of this grid (after `sm90_split_arrive`): cached in L2 only."""
+    r = _asm(llvm.StructType.get_literal([T.f32()] * 4), [_i64(addr, loc, ip)],
+             "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l,~{memory}", True, loc, ip)
+    return [cutlass.Float32(llvm.extractvalue(T.f32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def sm90_split_arrive(counter_addr, leader, last_arrival, barrier_id, *, loc=None, ip=None):
+    """A consumer warpgroup's arrival on a stream-K tile's counter, after its threads stored their partials:
+    named barrier `barrier_id` (128 threads), then the leader adds 1 (acq_rel, GPU scope: the warpgroup's
+    stores are released with it, the other parts' acquired), and the warpgroup learns by a barrier reduction
+    whether it was the last of the tile's parts (the add returned `last_arrival`). The last resets the counter
+    to 0 for the next launch on this workspace (zeroed once by the preparation kernel). Returns 1 there, else
+    0. The CUTLASS split-K semaphore's pattern: barrier, then one thread's release."""
+    r = _asm(T.i32(), [_i64(counter_addr, loc, ip), _i32(leader, loc, ip), _u32(last_arrival, loc, ip),
+                       _i32(barrier_id, loc, ip)],
+             "{\n.reg .pred lead, last, r;\n.reg .b32 old;\n"
+             "setp.ne.s32 lead, $2, 0;\n"
+             "bar.sync $4, 128;\n"
+             "mov.b32 old, 0xFFFFFFFF;\n"
+             "@lead atom.acq_rel.gpu.global.add.u32 old, [$1], 1;\n"
+             "setp.eq.u32 last, old, $3;\n"
+             "@last st.relaxed.gpu.global.u32 [$1], 0;\n"
+             "bar.red.or.pred r, $4, 128, last;\n"
+             "selp.s32 $0, 1, 0, r;\n}",
+             "=r,l,r,r,r,~{memory}", True, loc, ip)
+    return cutlass.Int32(r)
+
+
+@dsl_user_op
 def st_global_u32(addr, v, *, loc=None, ip=None):
     _asm(None, [_i64(addr, loc, ip), _u32(v, loc, ip)], "st.global.b32 [$0], $1;", "l,r,~{memory}", True, loc, ip)
 
@@ -2513,8 +2686,10 @@ def sm90_grid_arrive_and_wait(sync_addr, last_arrival, *, loc=None, ip=None):
          "l,r,~{memory}", True, loc, ip)
 
 
-# Bytes of the Hopper workspace's grid-barrier words (arrival count, generation), after the descriptor rows.
+# Bytes of the Hopper workspace's grid-barrier words (arrival count, generation), after the descriptor rows;
+# then the stream-K arrival counters, one per split tile and consumer warpgroup.
 SM90_SYNC_BYTES = 128
+SM90_COUNTER_BYTES = SM90_MAX_SPLIT_TILES * 2 * 4
 
 
 @cute.jit
@@ -2665,6 +2840,7 @@ class Sm90BlockScaledGroupedGemmKernel:
     """
 
     EPILOGUE_BARRIER = 2
+    SLOT_ROWS = 128  # rows of B in a stream-K partial slot (the tile's)
 
     A_BYTES = 128 * 64  # A fp4 rows of one stage: 128 x 64 B (128 k)
     SF_BYTES = 1024  # one 128-row scale slice for 128 k
@@ -2728,12 +2904,28 @@ class Sm90BlockScaledGroupedGemmKernel:
     def a16_offset(num_groups: int) -> int:
         """Byte offset of the fp16 A region in the workspace (after the grid-barrier words, rounded up to 1024
         bytes, at least the alignment the region had before they came; prepass only)."""
-        return ceil_div(Sm90BlockScaledGroupedGemmKernel.sync_offset(num_groups) + SM90_SYNC_BYTES, 1024) * 1024
+        sync_end = Sm90BlockScaledGroupedGemmKernel.sync_offset(num_groups) + SM90_SYNC_BYTES + SM90_COUNTER_BYTES
+        return ceil_div(sync_end, 1024) * 1024
 
     @staticmethod
-    def workspace_bytes(config: "Sm90GemmConfig", problem_sizes) -> int:
-        """Descriptor rows, the grid-barrier words, then (prepass) every group's A as fp16, M x K x 2 bytes
-        each."""
+    def partials_offset(problem_sizes) -> int:
+        """Byte offset of the stream-K partial slots in an m_exact workspace (after the fp16 A, 1024-aligned);
+        a function of the problem shape, so the work list carries it (in KB)."""
+        a16 = sum(m * k * 2 for m, _, k, _ in problem_sizes)
+        return ceil_div(Sm90BlockScaledGroupedGemmKernel.a16_offset(len(problem_sizes)) + a16, 1024) * 1024
+
+    @staticmethod
+    def slot_bytes(config: "Sm90GemmConfig") -> int:
+        """One partial slot: the tile's fp32 accumulator, 128 rows of B x the widest tile's rows of A."""
+        return 128 * config.tile_mn[0] * 4
+
+    @staticmethod
+    def workspace_bytes(config: "Sm90GemmConfig", problem_sizes, plan: Optional["Sm90WorkPlan"] = None) -> int:
+        """Descriptor rows, the grid-barrier words and stream-K counters, then (prepass) every group's A as
+        fp16, M x K x 2 bytes each, then (a stream-K plan) its partial slots."""
+        if plan is not None and plan.num_slots:
+            kernel = Sm90BlockScaledGroupedGemmKernel
+            return kernel.partials_offset(problem_sizes) + plan.num_slots * kernel.slot_bytes(config)
         a16 = sum(m * k * 2 for m, _, k, _ in problem_sizes) if config.a16_prepass else 0
         return Sm90BlockScaledGroupedGemmKernel.a16_offset(len(problem_sizes)) + a16
 
@@ -2806,12 +2998,18 @@ class Sm90BlockScaledGroupedGemmKernel:
     @cute.jit
     def prepare_workspace(self, tensormaps: cute.Tensor, group):
         """`GroupTensormapKernel`'s extra step (once per input set, ahead of the first GEMM on this workspace):
-        zero the grid-barrier words of the fused A conversion."""
+        zero the grid-barrier words of the fused A conversion and the stream-K counters (both self-resetting
+        after that)."""
         if cutlass.const_expr(self.fused_convert):
             if group == 0 and cute.arch.lane_idx() == 0:
                 sync = self.sync_address(tensormaps)
                 st_global_u32(sync, cutlass.Uint32(0))
                 st_global_u32(sync + 4, cutlass.Uint32(0))
+        if cutlass.const_expr(self.m_exact):
+            counters = self.sync_address(tensormaps) + SM90_SYNC_BYTES
+            for i in cutlass.range(group * 32 + cute.arch.lane_idx(), SM90_COUNTER_BYTES // 4, self.num_groups * 32,
+                                   unroll=1):
+                st_global_u32(counters + 4 * i, cutlass.Uint32(0))
 
     def a16_outer(self, width: int, num_buffers: int):
         """The fp16 A buffers seen by a tile of `width` rows (the wgmma B operand, K-major, 128-byte swizzle
@@ -2963,27 +3161,31 @@ class Sm90BlockScaledGroupedGemmKernel:
         of tiles bid, bid + grid, ... below total_tiles."""
         if cutlass.const_expr(self.m_exact):
             base = work.iterator.toint()
-            return cutlass.Int32(ld_global_u32(base + 4 * bid)), cutlass.Int32(ld_global_u32(base + 4 * (bid + 1)))
+            return cutlass.Int32(ld_global_u32(base + 4 * (bid + 1))), cutlass.Int32(ld_global_u32(base + 4 * (bid + 2)))
         return cutlass.Int32(0), (total_tiles - bid + grid - 1) // grid
 
     @cute.jit
     def tile_at(self, i, work: cute.Tensor, scheduler, walk, bid, grid):
-        """(group, first row, width index, N tile) of this CTA's tile position i, and the scheduler's walk
-        state (group, first tile of the group, tiles in the group; unchanged with a work list)."""
+        """This CTA's part at position i: (group, first row, width index, N tile, first 128-k chunk, chunks,
+        split tile index or -1, slot word), and the scheduler's walk state (group, first tile of the group,
+        tiles in the group; unchanged with a work list). Without a work list every part is a whole tile."""
         group, group_first, group_tiles = walk
         if cutlass.const_expr(self.m_exact):
-            # header: grid + 1 offsets padded to a multiple of 4 words; then 4 words per tile
-            entry = work.iterator.toint() + 16 * ((grid + 4) // 4) + 16 * cutlass.Int64(i)
-            g = cutlass.Int32(ld_global_u32(entry))
-            m0 = cutlass.Int32(ld_global_u32(entry + 4))
-            width_idx = cutlass.Int32(ld_global_u32(entry + 8))
-            n_tile = cutlass.Int32(ld_global_u32(entry + 12))
+            # header: the partials' offset and grid + 1 part offsets, in SM90_PART_WORDS-word rows; then
+            # SM90_PART_WORDS words per part (`Sm90WorkPlan.words`)
+            row_bytes = 4 * SM90_PART_WORDS
+            entry = (work.iterator.toint() + row_bytes * ((grid + 2 + SM90_PART_WORDS - 1) // SM90_PART_WORDS)
+                     + row_bytes * cutlass.Int64(i))
+            g, m0, width_idx, n_tile = [cutlass.Int32(x) for x in ld_global_v4(entry)]
+            k0, chunks, split, slot = [cutlass.Int32(x) for x in ld_global_v4(entry + 16)]
         else:
             tile = bid + i * grid
             group, group_first, group_tiles = scheduler.find_group(tile, group, group_first, group_tiles)
             m_tile, n_tile = scheduler.tile_coord(tile, group_first, scheduler.size_table[group, int(SizeColumn.M)])
             g, m0, width_idx = group, m_tile * self.tile_m, cutlass.Int32(0)
-        return g, m0, width_idx, n_tile, (group, group_first, group_tiles)
+            k0, chunks = cutlass.Int32(0), scheduler.size_table[group, int(SizeColumn.K)] // self.k_chunk
+            split, slot = cutlass.Int32(-1), cutlass.Int32(0)
+        return g, m0, width_idx, n_tile, k0, chunks, split, slot, (group, group_first, group_tiles)
 
     # -----------------------------------------------------------------------------------------------
     # Producer warp
@@ -3009,7 +3211,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         walk = scheduler.first_state()
         begin, end = self.tile_range(work, total_tiles, bid, grid)
         for i in range(begin, end):
-            g, m0, width_idx, n_tile, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
+            g, m0, width_idx, n_tile, k0, chunks, _, _, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
             _, _, _, k_size = self.group_sizes(sizes, g)
             # Warp-uniform group: the descriptor addresses stay in uniform registers for the TMA issue.
             g = cute.arch.make_warp_uniform(g)
@@ -3020,15 +3222,16 @@ class Sm90BlockScaledGroupedGemmKernel:
                 last_g = g
             for w in cutlass.range_constexpr(len(self.widths)):
                 if width_idx == w:
-                    self.produce_tile(self.widths[w], chunk, ptrs, descriptors, g, m0, n_tile, k_size, stage_pipe,
-                                      a16_pipes[w], atoms, gmem_parts, smem_parts, sf_atom, smem)
-            chunk = chunk + k_size // self.k_chunk
+                    self.produce_tile(self.widths[w], chunk, ptrs, descriptors, g, m0, n_tile, k_size, k0, chunks,
+                                      stage_pipe, a16_pipes[w], atoms, gmem_parts, smem_parts, sf_atom, smem)
+            chunk = chunk + chunks
 
     @cute.jit
-    def produce_tile(self, width: int, chunk, ptrs, descriptors, g, m0, n_tile, k_size, stage_pipe, a16_pipe,
-                     atoms, gmem_parts, smem_parts, sf_atom, smem):
-        """The loads of one tile of `width` rows of A: per 128-k chunk a stage (B, its scales; A fp4 and its
-        scales without the prepass) and, with the prepass, the chunk's fp16 A into buffer chunk % num_a16."""
+    def produce_tile(self, width: int, chunk, ptrs, descriptors, g, m0, n_tile, k_size, k0, chunks, stage_pipe,
+                     a16_pipe, atoms, gmem_parts, smem_parts, sf_atom, smem):
+        """The loads of one part (chunks k0 .. k0 + chunks - 1 of a tile of `width` rows of A): per 128-k chunk
+        a stage (B, its scales; A fp4 and its scales without the prepass) and, with the prepass, the chunk's
+        fp16 A into buffer chunk % num_a16."""
         tma_a, tma_b = atoms
         tAgA, tBgB = gmem_parts
         tAsA, tBsB = smem_parts
@@ -3038,17 +3241,18 @@ class Sm90BlockScaledGroupedGemmKernel:
         sfb = ptrs[g, int(PtrColumn.SFB)]
         rest_k = k_size // 64
         sfa_row = cutlass.Int64((m0 // 128) * rest_k) * 512
-        for c in range(k_size // self.k_chunk):
+        for c in range(chunks):
+            kc = k0 + c  # the chunk's position in K
             state = ring_state(chunk + c, self.num_stages, producer=True)
             stage_pipe.producer_acquire(state)  # waits for the stage, then expects its bytes
             full = stage_pipe.producer_get_barrier(state)
             if cutlass.const_expr(not self.prepass):
-                cute.copy(tma_a, tAgA[(None, m0 // 128, c)], tAsA[(None, state.index)], tma_bar_ptr=full,
+                cute.copy(tma_a, tAgA[(None, m0 // 128, kc)], tAsA[(None, state.index)], tma_bar_ptr=full,
                           tma_desc_ptr=desc_a)
-            cute.copy(tma_b, tBgB[(None, n_tile, c)], tBsB[(None, state.index)], tma_bar_ptr=full,
+            cute.copy(tma_b, tBgB[(None, n_tile, kc)], tBsB[(None, state.index)], tma_bar_ptr=full,
                       tma_desc_ptr=desc_b)
             if lane == 0:  # bulk copies are not elected by the DSL
-                sf_off = cutlass.Int64(c) * 1024
+                sf_off = cutlass.Int64(kc) * 1024
                 sf_stage = smem.sf + state.index * self.sf_stage_bytes
                 if cutlass.const_expr(not self.prepass):
                     cute.copy(sf_atom, byte_tensor(sfa + sfa_row + sf_off, self.SF_BYTES, gmem=True),
@@ -3064,7 +3268,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                 a16_full = a16_pipe.producer_get_barrier(a16_state)
                 for h in cutlass.range_constexpr(2):
                     for j in cutlass.range_constexpr(width // self.box_rows):
-                        cute.copy(tma_a, tAgA[(None, m0 // self.box_rows + j, 2 * c + h)],
+                        cute.copy(tma_a, tAgA[(None, m0 // self.box_rows + j, 2 * kc + h)],
                                   tAsA[(None, j, h, a16_state.index)], tma_bar_ptr=a16_full, tma_desc_ptr=desc_a)
 
     # -----------------------------------------------------------------------------------------------
@@ -3084,9 +3288,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         walk = scheduler.first_state()
         begin, end = self.tile_range(work, total_tiles, bid, grid)
         for i in range(begin, end):
-            g, _, _, _, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
-            _, _, _, k_size = self.group_sizes(sizes, g)
-            for _ in range(k_size // self.k_chunk):
+            _, _, _, _, _, chunks, _, _, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
+            for _ in range(chunks):
                 state = ring_state(chunk, self.num_stages)
                 a16_state = ring_state(chunk, self.num_a16, producer=True)
                 stage_pipe.consumer_wait(state)
@@ -3152,8 +3355,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         walk = scheduler.first_state()
         begin, end = self.tile_range(work, total_tiles, bid, grid)
         for i in range(begin, end):
-            g, m0, width_idx, n_tile, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
-            _, _, _, k_size = self.group_sizes(sizes, g)
+            g, m0, width_idx, n_tile, _, chunks, split, slot, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
             g = cute.arch.make_warp_uniform(g)
             if g != last_g:
                 if w == 0:  # the warp that issues this warpgroup's TMA stores
@@ -3161,21 +3363,21 @@ class Sm90BlockScaledGroupedGemmKernel:
                 last_g = g
             for wi in cutlass.range_constexpr(len(self.widths)):
                 if width_idx == wi:
-                    self.consume_tile(self.widths[wi], tiled_mmas[wi], sA16[wi], frags, chunk, k_size,
-                                      descriptors.for_tma(g, (Sm90TensorMapSlot.C,))[0], m0, n_tile, wg, w, tid,
-                                      stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store, epilogue_barrier, smem,
-                                      b_off, sfb_off, b_sel)
-            chunk = chunk + k_size // self.k_chunk
+                    self.consume_tile(self.widths[wi], tiled_mmas[wi], sA16[wi], frags, chunk, chunks, split, slot,
+                                      work, descriptors, descriptors.for_tma(g, (Sm90TensorMapSlot.C,))[0], m0,
+                                      n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
+                                      epilogue_barrier, smem, b_off, sfb_off, b_sel)
+            chunk = chunk + chunks
         if w == 0:
             c_store.producer_tail()  # the stores have completed before the CTA retires
 
     @cute.jit
-    def consume_tile(self, width: int, tiled_mma, sA16, frags, chunk, k_size, desc_c, m0, n_tile, wg, w, tid,
-                     stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store, epilogue_barrier, smem, b_off, sfb_off,
-                     b_sel):
-        """One tile of `width` rows of A: the K loop into the accumulator (64 n x width m), then the
-        epilogue (fp16 slabs of at most 128 m x 64 n, TMA-stored as box_rows-row boxes of C^T)."""
-        lane = tid % 32
+    def consume_tile(self, width: int, tiled_mma, sA16, frags, chunk, num_chunks, split, slot, work, descriptors,
+                     desc_c, m0, n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
+                     epilogue_barrier, smem, b_off, sfb_off, b_sel):
+        """One part of a tile of `width` rows of A: its K loop into the accumulator (64 n x width m); a part of
+        a split tile then meets the others' (`split_fixup`); the epilogue, where the tile is complete (fp16
+        slabs of at most 128 m x 64 n, TMA-stored as box_rows-row boxes of C^T)."""
         thr_mma = tiled_mma.get_slice(tid)
         # (MMA, MMA_N, MMA_K, A16 buffer)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sA16))
@@ -3183,7 +3385,6 @@ class Sm90BlockScaledGroupedGemmKernel:
         acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((64, width)), cutlass.Float32)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         acc.fill(0.0)
-        num_chunks = k_size // self.k_chunk
         for c in range(num_chunks):
             # NOTES: branch-free on purpose: a dynamic `if` between wgmma groups makes ptxas wait for every
             # wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the SASS): the MMAs serialize.
@@ -3192,9 +3393,53 @@ class Sm90BlockScaledGroupedGemmKernel:
                                sfb_off, b_sel)
         warpgroup.wait_group(0)
         a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
+        complete = cutlass.Int32(1)
+        if cutlass.const_expr(self.m_exact):
+            if split >= 0:
+                complete = self.split_fixup(width, acc, split, slot, work, descriptors.tensormaps, wg, tid,
+                                            epilogue_barrier)
+        if complete != 0:
+            self.epilogue(width, acc, desc_c, m0, n_tile, wg, w, tid, tma_c, tCsC, tCgC, c_store, epilogue_barrier,
+                          smem)
 
-        # Epilogue: per pass of at most 128 rows of A, acc -> fp16 slab [m][n] in shared memory -> TMA stores
-        # of box_rows x 64 boxes.
+    @cute.jit
+    def split_fixup(self, width: int, acc, split, slot, work, tensormaps, wg, tid, epilogue_barrier):
+        """Stream-K: this warpgroup's part of split tile `split` writes its fp32 accumulator to its slot and
+        arrives on the tile's counter; the last part to arrive reads every slot back, in slot order (so the
+        sum does not depend on which part finished last), into `acc` and returns 1: it stores the tile.
+        `slot`: part index | parts << 8 | first slot << 16 (`Sm90WorkPlan.cta_tiles`).
+        A slot: [consumer warpgroup][v4 j][thread] of 16 bytes, so each access of a warpgroup is 2 KB in a row."""
+        part = slot & 0xFF
+        parts = (slot >> 8) & 0xFF
+        slot_bytes = self.SLOT_ROWS * self.tile_m * 4
+        workspace = tensormaps.iterator.toint()
+        # the work list's first word: the slots' offset in the workspace, in KB (computed here, not kept live
+        # across the tile loop: the consumers have no register to spare)
+        partials = workspace + cutlass.Int64(ld_global_u32(work.iterator.toint())) * 1024
+        first = partials + cutlass.Int64(slot >> 16) * slot_bytes + wg * (slot_bytes // 2) + tid * 16
+        own = first + cutlass.Int64(part) * slot_bytes
+        for j in cutlass.range_constexpr(width // 8):
+            st_global_v4_f32(own + 2048 * j, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
+        counter = self.sync_address(tensormaps) + SM90_SYNC_BYTES + 8 * split + 4 * wg
+        last = sm90_split_arrive(counter, cutlass.Int32(tid == 0), parts - 1, epilogue_barrier)
+        if last != 0:
+            for j in cutlass.range_constexpr(width // 8):
+                v = ld_global_cg_v4_f32(first + 2048 * j)
+                for e in cutlass.range_constexpr(4):
+                    acc[4 * j + e] = v[e]
+            for q in cutlass.range(1, parts, unroll=1):
+                for j in cutlass.range_constexpr(width // 8):
+                    v = ld_global_cg_v4_f32(first + cutlass.Int64(q) * slot_bytes + 2048 * j)
+                    for e in cutlass.range_constexpr(4):
+                        acc[4 * j + e] = acc[4 * j + e] + v[e]
+        return last
+
+    @cute.jit
+    def epilogue(self, width: int, acc, desc_c, m0, n_tile, wg, w, tid, tma_c, tCsC, tCgC, c_store,
+                 epilogue_barrier, smem):
+        """Per pass of at most 128 rows of A: acc -> fp16 slab [m][n] in shared memory -> TMA stores of
+        box_rows x 64 boxes of C^T."""
+        lane = tid % 32
         c_slab = smem.c + wg * self.C_BYTES
         n0 = n_tile * self.tile_n + 64 * wg
         for p in cutlass.range_constexpr((width + 127) // 128):
@@ -3272,6 +3517,8 @@ def compile_key(num_groups: int, arch: str, config=None, part: str = "gemm") -> 
     """
     if config is None:
         config = variant_config(KERNEL_VARIANT)
+    if isinstance(config, Sm90GemmConfig):
+        config = dataclasses.replace(config, stream_k=True)  # the plan's choice: the same kernel runs both
     return ("nvfp4_grouped_gemm", part, arch, DSL_VERSION, config, int(num_groups), _launch_abi())
 
 
@@ -3690,12 +3937,12 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
     if isinstance(config, Sm90GemmConfig):
         if config.m_exact:
             sizes, num_sms = tuple(map(tuple, data[3])), _device_sm_count(device.index)
-            plan = plan_sm90_work(sizes, num_sms, config.max_width)
+            plan = plan_sm90_work(sizes, num_sms, config.max_width, config.stream_k)
             num_tiles, num_ctas = plan.num_tiles, len(plan.cta_tiles)
-            work_list = sm90_work_list(sizes, num_sms, config.max_width, device)
+            work_list = sm90_work_list(sizes, num_sms, config.max_width, config.stream_k, device)
         else:
-            num_ctas = min(num_tiles, _device_sm_count(device.index))
-        workspace_bytes = Sm90BlockScaledGroupedGemmKernel.workspace_bytes(config, data[3])
+            plan, num_ctas = None, min(num_tiles, _device_sm_count(device.index))
+        workspace_bytes = Sm90BlockScaledGroupedGemmKernel.workspace_bytes(config, data[3], plan)
         counts = (0 if work_list is None else work_list.data_ptr(), num_tiles, num_ctas)
     elif isinstance(config, Sm100PersistentConfig):
         num_ctas = min(num_tiles, _device_sm_count(device.index))

@@ -1,6 +1,7 @@
 """The M-exact Hopper kernel's host plan (`plan_sm90_work`): every output element is covered by exactly one
-tile, widths are ones the kernel was built for, the work list's words decode back to the plan, and the
-balance is what longest-processing-time scheduling promises. CPU only."""
+tile and every 128-k chunk of a tile by exactly one part, widths are ones the kernel was built for, split
+tiles' parts agree on their counter and slots, the work list's words decode back to the plan, and the
+balance is what longest-processing-time scheduling (whole tiles) or stream-K promises. CPU only."""
 import random
 
 import pytest
@@ -29,34 +30,73 @@ SHAPES = _task_shapes() + _random_shapes(40, 5)
 
 
 def _decode(words, grid):
-    """The kernel's reading of the work list: per CTA, its (group, first row, width index, N tile) tiles."""
-    header = (grid + 4) // 4 * 4
-    tiles = [tuple(words[header + 4 * i: header + 4 * i + 4]) for i in range(words[grid])]
-    return [tiles[words[b]:words[b + 1]] for b in range(grid)]
+    """The kernel's reading of the work list (`tile_range`, `tile_at`): the partials' offset, and per CTA its
+    parts of SM90_PART_WORDS words each."""
+    row = submission.SM90_PART_WORDS
+    header = (grid + 2 + row - 1) // row * row
+    parts = [tuple(words[header + row * i: header + row * (i + 1)]) for i in range(words[grid + 1])]
+    return words[0], [parts[words[1 + b]:words[2 + b]] for b in range(grid)]
 
 
+@pytest.mark.parametrize("stream_k", [True, False], ids=["stream_k", "whole"])
 @pytest.mark.parametrize("max_width", [192, 128])
 @pytest.mark.parametrize("num_sms", [132, 8, 1])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"s{i}" for i in range(len(SHAPES))])
-def test_plan_covers_every_output_once(shape, num_sms, max_width):
-    plan = submission.plan_sm90_work(shape, num_sms, max_width)
+def test_plan_covers_every_output_once(shape, num_sms, max_width, stream_k):
+    plan = submission.plan_sm90_work(shape, num_sms, max_width, stream_k)
     widths = submission.SM90_WIDTHS
     grid = len(plan.cta_tiles)
     assert 1 <= grid <= num_sms and all(plan.cta_tiles)
-    covered = {}
-    for tiles in plan.cta_tiles:
-        for g, m0, wi, nt in tiles:
-            m, n, _, _ = shape[g]
+    tiles = {}  # (group, first row, width index, N tile) -> its parts
+    for b, parts in enumerate(plan.cta_tiles):
+        for g, m0, wi, nt, k0, chunks, split, slot in parts:
+            m, n, k, _ = shape[g]
             assert 0 <= wi < len(widths) and 0 <= nt < n // 128 and 0 <= m0 < m
-            for row in range(m0, min(m, m0 + widths[wi])):
-                key = (g, row, nt)
-                assert key not in covered, f"row {row} of group {g}, N tile {nt}, in two tiles"
-                covered[key] = True
+            assert 0 <= k0 and chunks >= 1 and k0 + chunks <= k // 128
+            tiles.setdefault((g, m0, wi, nt), []).append((k0, chunks, split, slot, b))
+    covered = {}
+    for (g, m0, wi, nt), parts in tiles.items():
+        m, _, k, _ = shape[g]
+        for row in range(m0, min(m, m0 + widths[wi])):
+            key = (g, row, nt)
+            assert key not in covered, f"row {row} of group {g}, N tile {nt}, in two tiles"
+            covered[key] = True
+        # K: every chunk in exactly one part
+        chunks = sorted(c for k0, count, _, _, _ in parts for c in range(k0, k0 + count))
+        assert chunks == list(range(k // 128)), (g, m0, nt, parts)
     assert len(covered) == sum(m * (n // 128) for m, n, _, _ in shape)
+    _check_splits(plan, tiles)
+    if not stream_k:
+        assert plan.num_split_tiles == 0 and all(len(p) == 1 for p in tiles.values())
     # one width per group, none wider than the kernel's widest, and its splits cannot be fewer
     for g, ((m, _, _, _), (splits, width)) in enumerate(zip(shape, plan.splits)):
         assert width in widths and width <= max_width and width * splits >= m and width * (splits - 1) < m
-    assert all(widths[wi] <= max_width for tiles in plan.cta_tiles for _, _, wi, _ in tiles)
+    assert all(widths[part[2]] <= max_width for parts in plan.cta_tiles for part in parts)
+
+
+def _check_splits(plan, tiles):
+    """A split tile's parts: one counter index, parts 0 .. S - 1 in S consecutive slots of their own, each at
+    least SM90_MIN_PART_CHUNKS chunks, on different CTAs; a whole tile is one part with index -1."""
+    counters, slots = set(), set()
+    for parts in tiles.values():
+        if len(parts) == 1:
+            assert parts[0][2] == -1 and parts[0][3] == 0
+            continue
+        split = {s for _, _, s, _, _ in parts}
+        assert len(split) == 1 and 0 <= min(split) < plan.num_split_tiles and not split & counters
+        counters |= split
+        assert sorted(slot & 0xFF for _, _, _, slot, _ in parts) == list(range(len(parts)))
+        assert {(slot >> 8) & 0xFF for _, _, _, slot, _ in parts} == {len(parts)}
+        first = {slot >> 16 for _, _, _, slot, _ in parts}
+        assert len(first) == 1
+        mine = set(range(min(first), min(first) + len(parts)))
+        assert not mine & slots and max(mine) < plan.num_slots
+        slots |= mine
+        assert all(count >= submission.SM90_MIN_PART_CHUNKS for _, count, _, _, _ in parts)
+        assert len(parts) <= submission.SM90_MAX_PARTS
+        assert len({b for _, _, _, _, b in parts}) == len(parts)  # a CTA holds one part of a tile
+    assert len(counters) == plan.num_split_tiles <= submission.SM90_MAX_SPLIT_TILES
+    assert len(slots) == plan.num_slots
 
 
 def test_the_128_row_build_runs_the_same_plan_where_no_tile_is_wider():
@@ -74,16 +114,44 @@ def test_the_128_row_build_runs_the_same_plan_where_no_tile_is_wider():
 @pytest.mark.parametrize("shape", SHAPES[:20], ids=[f"s{i}" for i in range(20)])
 def test_work_list_words_decode_to_the_plan(shape):
     plan = submission.plan_sm90_work(shape, 132)
-    words = plan.words()
-    assert all(0 <= w < 2 ** 31 for w in words)
-    assert _decode(words, len(plan.cta_tiles)) == [list(t) for t in plan.cta_tiles]
+    words = plan.words(12345)
+    assert all(-1 <= w < 2 ** 31 for w in words)
+    assert _decode(words, len(plan.cta_tiles)) == (12345, [list(t) for t in plan.cta_tiles])
+
+
+def test_stream_k_splits_where_whole_tiles_leave_sms_idle():
+    # bench0 (2.2 tiles per SM) and bench2 (120 tiles of 32 chunks on 132 SMs) get split tiles and a shorter
+    # predicted makespan; bench1 / bench3 keep their whole-tile plans (nothing to gain); a single tile of long
+    # K is spread over many SMs.
+    shapes = _task_shapes()[-4:]
+    for shape, expect_split in zip(shapes, (True, False, True, False)):
+        whole = submission.plan_sm90_work(shape, 132, 192, False)
+        plan = submission.plan_sm90_work(shape, 132, 192, True)
+        assert (plan.num_split_tiles > 0) == expect_split, (shape, plan.num_split_tiles)
+        assert plan.makespan <= whole.makespan
+        if expect_split:
+            assert plan.makespan < submission.SM90_STREAM_K_GAIN * whole.makespan
+    one = submission.plan_sm90_work(((200, 128, 7168, 1),), 132, 192, True)
+    alone = submission.plan_sm90_work(((200, 128, 7168, 1),), 132, 192, False)
+    assert one.num_split_tiles >= 1 and len(one.cta_tiles) > len(alone.cta_tiles)
+    assert one.makespan < alone.makespan / 2
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"s{i}" for i in range(len(SHAPES))])
+def test_stream_k_plan_is_balanced(shape):
+    num_sms = 132
+    plan = submission.plan_sm90_work(shape, num_sms)
+    loads = [sum(submission.sm90_part_cost(submission.SM90_WIDTHS[wi], chunks, split >= 0)
+                 for _, _, wi, _, _, chunks, split, _ in parts) for parts in plan.cta_tiles]
+    assert max(loads) == pytest.approx(plan.makespan)
+    assert plan.makespan <= submission.plan_sm90_work(shape, num_sms, 192, False).makespan
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"s{i}" for i in range(len(SHAPES))])
 def test_plan_is_balanced(shape):
     num_sms = 132
-    plan = submission.plan_sm90_work(shape, num_sms)
-    costs = [[submission.sm90_tile_cost(submission.SM90_WIDTHS[wi], shape[g][2]) for g, _, wi, _ in tiles]
+    plan = submission.plan_sm90_work(shape, num_sms, 192, False)
+    costs = [[submission.sm90_tile_cost(submission.SM90_WIDTHS[part[2]], shape[part[0]][2]) for part in tiles]
              for tiles in plan.cta_tiles]
     loads = [sum(c) for c in costs]
     assert max(loads) == pytest.approx(plan.makespan)
@@ -101,7 +169,7 @@ def test_plan_is_balanced(shape):
 def test_benchmark_plans_pad_less_than_128_row_tiles():
     # The point of M-exact tiles: the benchmarks' computed rows (incl. padding) drop well below 128-row tiles'.
     for shape in _task_shapes()[-4:-2]:  # benchmarks 0 and 1 (g = 8)
-        plan = submission.plan_sm90_work(shape, 132)
+        plan = submission.plan_sm90_work(shape, 132, 192, False)
         rows = sum(s * w for s, w in plan.splits)
         rows128 = sum(-(-m // 128) * 128 for m, _, _, _ in shape)
         assert rows <= 0.9 * rows128, (plan.splits, rows, rows128)
