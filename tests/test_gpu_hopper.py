@@ -23,8 +23,9 @@ pytestmark = [pytest.mark.gpu,
 
 # "auto": the tile custom_kernel picks by itself; the others force one entry of SM90_VARIANT_CONFIGS (the
 # sm90_a16_* ones convert A to fp16 once per call, as the GEMM launch's first phase); "two_launch":
-# sm90_a16_mexact with that conversion as a launch of its own (Sm90GemmConfig.a16_fused=False).
-CONFIGS = ["auto", "sm90_tile128", "sm90_a16_mexact", "sm90_a16_mexact128", "two_launch"]
+# sm90_a16_mexact with that conversion as a launch of its own (Sm90GemmConfig.a16_fused=False); "whole_tiles":
+# sm90_a16_mexact planned without stream-K (Sm90GemmConfig.stream_k=False: no tile's K split across CTAs).
+CONFIGS = ["auto", "sm90_tile128", "sm90_a16_mexact", "sm90_a16_mexact128", "two_launch", "whole_tiles"]
 
 
 def _task_cases(section):
@@ -45,6 +46,8 @@ EDGE_CASES = {
     "widths": dict(m=[1, 32, 33, 64, 97, 128, 150, 192, 193, 400, 1000], n=[4096, 256, 512, 128, 3072, 256, 1024,
                                                                          128, 2048, 512, 1024],
                    k=[256, 512, 256, 768, 256, 512, 256, 256, 512, 256, 256], g=11, seed=13),
+    # stream-K: few tiles of long K, so the plan splits them across up to SM90_MAX_PARTS CTAs each
+    "split_k": dict(m=[1, 192, 65, 300], n=[128, 128, 256, 128], k=[7168, 4096, 2048, 6144], g=4, seed=14),
 }
 
 
@@ -54,8 +57,9 @@ def sm90(request, monkeypatch):
     import submission
 
     config = getattr(request, "param", "auto")
-    if config == "two_launch":  # the A conversion as a launch of its own (Sm90GemmConfig.a16_fused=False)
-        forced = dataclasses.replace(submission.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], a16_fused=False)
+    if config in ("two_launch", "whole_tiles"):  # sm90_a16_mexact with one config field changed
+        field = {"two_launch": "a16_fused", "whole_tiles": "stream_k"}[config]
+        forced = dataclasses.replace(submission.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], **{field: False})
         monkeypatch.setattr(submission, "choose_sm90_config", lambda sizes, num_sms: forced)
     elif config != "auto":
         forced = submission.SM90_VARIANT_CONFIGS[config]
@@ -140,3 +144,23 @@ def test_same_buffers_new_sizes(sm90):
     small = [(a[:64], b, c[:64]) for a, b, c in abc]
     small_sfs = [(sfa[:64], sfb) for sfa, sfb in sfs]
     _check(sm90, "auto", (small, small_sfs, sfs_r, [(64, n, k, l) for _, n, k, l in sizes]))
+
+
+@pytest.mark.parametrize("name", ["split_k", "k7168"])
+def test_stream_k_is_used_and_deterministic(sm90, name):
+    # The default plan splits these tiles' K (checked on the host plan), and two calls on the same inputs give
+    # the same bits: the last part sums the partials in slot order, whichever part finished last.
+    args = EDGE_CASES[name]
+    shape = tuple(zip(args["m"], args["n"], args["k"], [1] * args["g"]))
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert sm90.plan_sm90_work(shape, num_sms).num_split_tiles > 0
+    data = reference.generate_input(**args)
+    first = [c.clone() for c in sm90.custom_kernel(data)]
+    for _ in range(3):
+        for _, _, c in data[0]:
+            c.fill_(float("nan"))
+        again = sm90.custom_kernel(data)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(first, again))
+    ok, msg = reference.check_implementation(_clone(data), first)
+    assert ok, msg
