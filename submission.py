@@ -2590,8 +2590,12 @@ def fp4x8_to_f16x2x4(word, scale_f16x2, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def ld_global_u32(addr, *, loc=None, ip=None):
-    r = _asm(T.i32(), [_i64(addr, loc, ip)], "ld.global.nc.b32 $0, [$1];", "=r,l", False, loc, ip)
+def ld_global_u32(addr, fresh: bool = False, *, loc=None, ip=None):
+    """One 32-bit word of read-only global memory. fresh=True: loaded where it stands, never hoisted out of a
+    loop or merged with an earlier load of the same word (a value that would otherwise stay live in a
+    register across the mainloop)."""
+    r = _asm(T.i32(), [_i64(addr, loc, ip)], "ld.global.nc.b32 $0, [$1];", "=r,l" + (",~{memory}" if fresh else ""),
+             fresh, loc, ip)
     return cutlass.Uint32(r)
 
 
@@ -2603,10 +2607,11 @@ def st_global_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def ld_global_v4(addr, *, loc=None, ip=None):
-    """Four 32-bit words of read-only global memory (16-byte aligned)."""
+def ld_global_v4(addr, fresh: bool = False, *, loc=None, ip=None):
+    """Four 32-bit words of read-only global memory (16-byte aligned); `fresh` as for `ld_global_u32`."""
     r = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_i64(addr, loc, ip)],
-             "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", False, loc, ip)
+             "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l" + (",~{memory}" if fresh else ""),
+             fresh, loc, ip)
     return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
@@ -3165,17 +3170,21 @@ class Sm90BlockScaledGroupedGemmKernel:
         return cutlass.Int32(0), (total_tiles - bid + grid - 1) // grid
 
     @cute.jit
+    def part_entry(self, work: cute.Tensor, i, grid):
+        """Address of part i's words in the work list: after the header (the partials' offset and grid + 1
+        part offsets, in SM90_PART_WORDS-word rows), SM90_PART_WORDS words per part (`Sm90WorkPlan.words`)."""
+        row_bytes = 4 * SM90_PART_WORDS
+        return (work.iterator.toint() + row_bytes * ((grid + 2 + SM90_PART_WORDS - 1) // SM90_PART_WORDS)
+                + row_bytes * cutlass.Int64(i))
+
+    @cute.jit
     def tile_at(self, i, work: cute.Tensor, scheduler, walk, bid, grid):
         """This CTA's part at position i: (group, first row, width index, N tile, first 128-k chunk, chunks,
         split tile index or -1, slot word), and the scheduler's walk state (group, first tile of the group,
         tiles in the group; unchanged with a work list). Without a work list every part is a whole tile."""
         group, group_first, group_tiles = walk
         if cutlass.const_expr(self.m_exact):
-            # header: the partials' offset and grid + 1 part offsets, in SM90_PART_WORDS-word rows; then
-            # SM90_PART_WORDS words per part (`Sm90WorkPlan.words`)
-            row_bytes = 4 * SM90_PART_WORDS
-            entry = (work.iterator.toint() + row_bytes * ((grid + 2 + SM90_PART_WORDS - 1) // SM90_PART_WORDS)
-                     + row_bytes * cutlass.Int64(i))
+            entry = self.part_entry(work, i, grid)
             g, m0, width_idx, n_tile = [cutlass.Int32(x) for x in ld_global_v4(entry)]
             k0, chunks, split, slot = [cutlass.Int32(x) for x in ld_global_v4(entry + 16)]
         else:
@@ -3355,7 +3364,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         walk = scheduler.first_state()
         begin, end = self.tile_range(work, total_tiles, bid, grid)
         for i in range(begin, end):
-            g, m0, width_idx, n_tile, _, chunks, split, slot, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
+            g, m0, width_idx, n_tile, _, chunks, _, _, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
             g = cute.arch.make_warp_uniform(g)
             if g != last_g:
                 if w == 0:  # the warp that issues this warpgroup's TMA stores
@@ -3363,7 +3372,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                 last_g = g
             for wi in cutlass.range_constexpr(len(self.widths)):
                 if width_idx == wi:
-                    self.consume_tile(self.widths[wi], tiled_mmas[wi], sA16[wi], frags, chunk, chunks, split, slot,
+                    self.consume_tile(self.widths[wi], tiled_mmas[wi], sA16[wi], frags, chunk, chunks, i, grid,
                                       work, descriptors, descriptors.for_tma(g, (Sm90TensorMapSlot.C,))[0], m0,
                                       n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
                                       epilogue_barrier, smem, b_off, sfb_off, b_sel)
@@ -3372,7 +3381,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             c_store.producer_tail()  # the stores have completed before the CTA retires
 
     @cute.jit
-    def consume_tile(self, width: int, tiled_mma, sA16, frags, chunk, num_chunks, split, slot, work, descriptors,
+    def consume_tile(self, width: int, tiled_mma, sA16, frags, chunk, num_chunks, i, grid, work, descriptors,
                      desc_c, m0, n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
                      epilogue_barrier, smem, b_off, sfb_off, b_sel):
         """One part of a tile of `width` rows of A: its K loop into the accumulator (64 n x width m); a part of
@@ -3395,6 +3404,9 @@ class Sm90BlockScaledGroupedGemmKernel:
         a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
         complete = cutlass.Int32(1)
         if cutlass.const_expr(self.m_exact):
+            # this part's split words, read again rather than kept live across the mainloop (NOTES: kept live,
+            # DSL 4.5.2's build spilled consumer registers)
+            _, _, split, slot = [cutlass.Int32(x) for x in ld_global_v4(self.part_entry(work, i, grid) + 16, True)]
             if split >= 0:
                 complete = self.split_fixup(width, acc, split, slot, work, descriptors.tensormaps, wg, tid,
                                             epilogue_barrier)
@@ -3415,7 +3427,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         workspace = tensormaps.iterator.toint()
         # the work list's first word: the slots' offset in the workspace, in KB (computed here, not kept live
         # across the tile loop: the consumers have no register to spare)
-        partials = workspace + cutlass.Int64(ld_global_u32(work.iterator.toint())) * 1024
+        partials = workspace + cutlass.Int64(ld_global_u32(work.iterator.toint(), True)) * 1024
         first = partials + cutlass.Int64(slot >> 16) * slot_bytes + wg * (slot_bytes // 2) + tid * 16
         own = first + cutlass.Int64(part) * slot_bytes
         for j in cutlass.range_constexpr(width // 8):
