@@ -519,11 +519,16 @@ class Sm90WorkPlan:
         offsets.append(total)
         header = [partials_kb] + offsets
         header += [0] * (-len(header) % SM90_PART_WORDS)
-        return header + [word for tiles in self.cta_tiles for tile in tiles for word in tile]
+        # the chunks word carries a split part's flag in bit 16 (`SM90_SPLIT_FLAG`): the kernel keeps only
+        # that word live across a part's mainloop
+        return header + [word | (SM90_SPLIT_FLAG if i == 5 and tile[6] >= 0 else 0)
+                         for tiles in self.cta_tiles for tile in tiles for i, word in enumerate(tile)]
 
 
-# Words per part in the Hopper work list (`Sm90WorkPlan.cta_tiles`).
+# Words per part in the Hopper work list (`Sm90WorkPlan.cta_tiles`), and the flag of a split part in its
+# chunks word.
 SM90_PART_WORDS = 8
+SM90_SPLIT_FLAG = 1 << 16
 # Stream-K: a part of a split tile writes its fp32 partial accumulator to a slot, and the last part to finish
 # reads all of the tile's slots back and stores the tile: cost per part, in cost units per row of A (the
 # write, and its share of the read, of 512 bytes per row of A; a first estimate, for the H200 to settle).
@@ -534,9 +539,10 @@ SM90_MIN_PART_CHUNKS = 2
 # and parts per tile (the last part reads them all back: its fix-up grows with their number).
 SM90_MAX_SPLIT_TILES = 1024
 SM90_MAX_PARTS = 4
-# Stream-K is planned where whole tiles are this few per CTA (beyond, the whole-tile plan is balanced to
-# within a small fraction) and taken where it predicts a makespan this much shorter.
-SM90_STREAM_K_TILES_PER_CTA = 8
+# Stream-K is planned where whole tiles are at most one per SM (the whole-tile plan leaves SMs idle for the
+# whole call: bench2, 120 tiles of 32 chunks on 132 SMs, measured 10 % faster with it) and taken where it
+# predicts a makespan this much shorter. NOTES: with more tiles per SM it measured slower than predicted
+# (bench0, 2.2 tiles per SM: 3 % slower instead of 9 % faster; docs/HOPPER_NOTES.md v17), so it is not tried.
 SM90_STREAM_K_GAIN = 0.97
 
 
@@ -687,7 +693,7 @@ def plan_sm90_work(problem_sizes: tuple, num_sms: int, max_width: int = SM90_WID
     rows. Tiles go to CTAs longest first, each to the least loaded (`_sm90_assign`), so uneven widths still
     balance. Host cost: ~5 ms for the benchmarks, ~0.1 s for 128 groups of up to 3000 rows (66k tiles).
 
-    Stream-K (`stream_k`, where whole tiles are few per CTA): for each cap, the fewest splits' tiles dealt as
+    Stream-K (`stream_k`, where whole tiles are at most one per SM): for each cap, the fewest splits' tiles dealt as
     equal-cost runs with tiles split in K across CTAs (`_sm90_stream_k`); splitting K converts no B twice, so
     the widest tiles can fill the SMs. Taken where its predicted makespan, fix-up included, beats the
     whole-tile plan's by 3 %.
@@ -713,7 +719,7 @@ def plan_sm90_work(problem_sizes: tuple, num_sms: int, max_width: int = SM90_WID
     makespan, per_cta = _sm90_assign(problem_sizes, splits, num_sms)
     widths = tuple((s, _sm90_split_width(m, s)) for (m, _, _, _), s in zip(problem_sizes, splits))
     plan = Sm90WorkPlan(widths, tuple(tuple(tiles) for tiles in per_cta), makespan)
-    if stream_k and plan.num_tiles <= SM90_STREAM_K_TILES_PER_CTA * len(plan.cta_tiles):
+    if stream_k and plan.num_tiles <= num_sms:
         for cap in sm90_widths(max_width):
             other = _sm90_stream_k(problem_sizes, [ceil_div(m, cap) for m, _, _, _ in problem_sizes], num_sms)
             if other is not None and other.makespan < SM90_STREAM_K_GAIN * plan.makespan:
@@ -3180,21 +3186,22 @@ class Sm90BlockScaledGroupedGemmKernel:
     @cute.jit
     def tile_at(self, i, work: cute.Tensor, scheduler, walk, bid, grid):
         """This CTA's part at position i: (group, first row, width index, N tile, first 128-k chunk, chunks,
-        split tile index or -1, slot word), and the scheduler's walk state (group, first tile of the group,
+        1 if it is a part of a split tile else 0), and the scheduler's walk state (group, first tile of the group,
         tiles in the group; unchanged with a work list). Without a work list every part is a whole tile."""
         group, group_first, group_tiles = walk
         if cutlass.const_expr(self.m_exact):
             entry = self.part_entry(work, i, grid)
             g, m0, width_idx, n_tile = [cutlass.Int32(x) for x in ld_global_v4(entry)]
-            k0, chunks, split, slot = [cutlass.Int32(x) for x in ld_global_v4(entry + 16)]
+            k0, chunk_word, _, _ = [cutlass.Int32(x) for x in ld_global_v4(entry + 16)]
+            chunks, split = chunk_word & (SM90_SPLIT_FLAG - 1), chunk_word >> 16
         else:
             tile = bid + i * grid
             group, group_first, group_tiles = scheduler.find_group(tile, group, group_first, group_tiles)
             m_tile, n_tile = scheduler.tile_coord(tile, group_first, scheduler.size_table[group, int(SizeColumn.M)])
             g, m0, width_idx = group, m_tile * self.tile_m, cutlass.Int32(0)
             k0, chunks = cutlass.Int32(0), scheduler.size_table[group, int(SizeColumn.K)] // self.k_chunk
-            split, slot = cutlass.Int32(-1), cutlass.Int32(0)
-        return g, m0, width_idx, n_tile, k0, chunks, split, slot, (group, group_first, group_tiles)
+            split = cutlass.Int32(0)
+        return g, m0, width_idx, n_tile, k0, chunks, split, (group, group_first, group_tiles)
 
     # -----------------------------------------------------------------------------------------------
     # Producer warp
@@ -3220,7 +3227,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         walk = scheduler.first_state()
         begin, end = self.tile_range(work, total_tiles, bid, grid)
         for i in range(begin, end):
-            g, m0, width_idx, n_tile, k0, chunks, _, _, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
+            g, m0, width_idx, n_tile, k0, chunks, _, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
             _, _, _, k_size = self.group_sizes(sizes, g)
             # Warp-uniform group: the descriptor addresses stay in uniform registers for the TMA issue.
             g = cute.arch.make_warp_uniform(g)
@@ -3297,7 +3304,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         walk = scheduler.first_state()
         begin, end = self.tile_range(work, total_tiles, bid, grid)
         for i in range(begin, end):
-            _, _, _, _, _, chunks, _, _, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
+            _, _, _, _, _, chunks, _, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
             for _ in range(chunks):
                 state = ring_state(chunk, self.num_stages)
                 a16_state = ring_state(chunk, self.num_a16, producer=True)
@@ -3364,7 +3371,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         walk = scheduler.first_state()
         begin, end = self.tile_range(work, total_tiles, bid, grid)
         for i in range(begin, end):
-            g, m0, width_idx, n_tile, _, chunks, _, _, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
+            g, m0, width_idx, n_tile, _, chunks, is_split, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
             g = cute.arch.make_warp_uniform(g)
             if g != last_g:
                 if w == 0:  # the warp that issues this warpgroup's TMA stores
@@ -3372,7 +3379,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                 last_g = g
             for wi in cutlass.range_constexpr(len(self.widths)):
                 if width_idx == wi:
-                    self.consume_tile(self.widths[wi], tiled_mmas[wi], sA16[wi], frags, chunk, chunks, i, grid,
+                    self.consume_tile(self.widths[wi], tiled_mmas[wi], sA16[wi], frags, chunk, chunks, is_split, i, grid,
                                       work, descriptors, descriptors.for_tma(g, (Sm90TensorMapSlot.C,))[0], m0,
                                       n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
                                       epilogue_barrier, smem, b_off, sfb_off, b_sel)
@@ -3381,7 +3388,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             c_store.producer_tail()  # the stores have completed before the CTA retires
 
     @cute.jit
-    def consume_tile(self, width: int, tiled_mma, sA16, frags, chunk, num_chunks, i, grid, work, descriptors,
+    def consume_tile(self, width: int, tiled_mma, sA16, frags, chunk, num_chunks, is_split, i, grid, work, descriptors,
                      desc_c, m0, n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
                      epilogue_barrier, smem, b_off, sfb_off, b_sel):
         """One part of a tile of `width` rows of A: its K loop into the accumulator (64 n x width m); a part of
@@ -3404,10 +3411,11 @@ class Sm90BlockScaledGroupedGemmKernel:
         a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
         complete = cutlass.Int32(1)
         if cutlass.const_expr(self.m_exact):
-            # this part's split words, read again rather than kept live across the mainloop (NOTES: kept live,
-            # DSL 4.5.2's build spilled consumer registers)
-            _, _, split, slot = [cutlass.Int32(x) for x in ld_global_v4(self.part_entry(work, i, grid) + 16, True)]
-            if split >= 0:
+            if is_split != 0:
+                # the split words, read here rather than kept live across the mainloop (NOTES: kept live,
+                # DSL 4.5.2's build spilled consumer registers; read after it for every part, whole tiles
+                # measured 2-4 % slower: the load's latency sat between the mainloop and the epilogue)
+                _, _, split, slot = [cutlass.Int32(x) for x in ld_global_v4(self.part_entry(work, i, grid) + 16, True)]
                 complete = self.split_fixup(width, acc, split, slot, work, descriptors.tensormaps, wg, tid,
                                             epilogue_barrier)
         if complete != 0:
