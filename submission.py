@@ -3193,6 +3193,10 @@ class Sm90BlockScaledGroupedGemmKernel:
             entry = self.part_entry(work, i, grid)
             g, m0, width_idx, n_tile = [cutlass.Int32(x) for x in ld_global_v4(entry)]
             k0, chunk_word, _, _ = [cutlass.Int32(x) for x in ld_global_v4(entry + 16)]
+            # warp-uniform: the chunk count drives the ring states that address every wgmma's fp16 A buffer
+            # (see `split_fixup`'s NOTES on what a non-uniform value there costs)
+            k0 = cute.arch.make_warp_uniform(k0)
+            chunk_word = cute.arch.make_warp_uniform(chunk_word)
             chunks, split = chunk_word & (SM90_SPLIT_FLAG - 1), chunk_word >> 16
         else:
             tile = bid + i * grid
@@ -3413,8 +3417,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         if cutlass.const_expr(self.m_exact):
             if is_split != 0:
                 # the split words, read here rather than kept live across the mainloop (NOTES: kept live,
-                # DSL 4.5.2's build spilled consumer registers; read after it for every part, whole tiles
-                # measured 2-4 % slower: the load's latency sat between the mainloop and the epilogue)
+                # DSL 4.5.2's build spilled consumer registers)
                 _, _, split, slot = [cutlass.Int32(x) for x in ld_global_v4(self.part_entry(work, i, grid) + 16, True)]
                 complete = self.split_fixup(width, acc, split, slot, work, descriptors.tensormaps, wg, tid,
                                             epilogue_barrier)
@@ -3441,7 +3444,11 @@ class Sm90BlockScaledGroupedGemmKernel:
         for j in cutlass.range_constexpr(width // 8):
             st_global_v4_f32(own + 2048 * j, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
         counter = self.sync_address(tensormaps) + SM90_SYNC_BYTES + 8 * split + 4 * wg
-        last = sm90_split_arrive(counter, cutlass.Int32(tid == 0), parts - 1, epilogue_barrier)
+        # NOTES: the same in every thread (a barrier reduction), and ptxas must be told: unmarked, the branches
+        # on it made the tile loop divergent, the wgmma descriptors left the uniform registers (DSL 4.5.2
+        # SASS: 213 R2UR instead of 53, two per wgmma) and whole tiles ran 5 % slower (H200, bench0 / bench1)
+        last = cute.arch.make_warp_uniform(sm90_split_arrive(counter, cutlass.Int32(tid == 0), parts - 1,
+                                                             epilogue_barrier))
         if last != 0:
             for j in cutlass.range_constexpr(width // 8):
                 v = ld_global_cg_v4_f32(first + 2048 * j)
