@@ -440,7 +440,7 @@ class Sm90GemmConfig:
     max_width: m_exact only: the widest tile (one of SM90_WIDTHS; the plan splits groups so that none is wider).
       The fp16 A buffers are this many rows, so a narrower maximum leaves room for more of them
       (`Sm90BlockScaledGroupedGemmKernel.num_a16`).
-    stream_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
+    split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
     """
@@ -451,7 +451,7 @@ class Sm90GemmConfig:
     a16_fused: bool = True
     m_exact: bool = False
     max_width: int = SM90_WIDTHS[-1]
-    stream_k: bool = True
+    split_k: bool = True
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
@@ -483,16 +483,23 @@ SM90_VARIANT_CONFIGS = {
 def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
     """M-exact tiles with A converted once per call, for every problem: on the H200 they were faster than or
     level with every other variant on each benchmark (docs/HOPPER_NOTES.md v11); their plan
-    (`plan_sm90_work`) already weighs tile widths against filling the SMs.
-    Not yet taken: `sm90_a16_mexact128` (widths up to 128, one fp16 A buffer more) measured 1.2-1.5 % faster
-    on bench2 / bench3, where the plan has no wider tile, but has run on a GPU with DSL 4.8.1 only (v15)."""
-    return SM90_VARIANT_CONFIGS["sm90_a16_mexact"]
+    (`plan_sm90_work`) already weighs tile widths and split-K against filling the SMs. The build for widths
+    up to 128 (`sm90_a16_mexact128`, one fp16 A buffer more) where the widest build's plan has no wider tile,
+    so both run the very same plan (bench3: 2.0 % faster on the H200, v17); else `sm90_a16_mexact` (bench2,
+    whose split-K plan takes 160-row tiles: 11 % slower at 128; bench0 / bench1, not measured at 128).
+    No sizes (`compile_for`): `sm90_a16_mexact`."""
+    wide, narrow = SM90_VARIANT_CONFIGS["sm90_a16_mexact"], SM90_VARIANT_CONFIGS["sm90_a16_mexact128"]
+    sizes = tuple(tuple(size) for size in problem_sizes if size[0] != 0)
+    if sizes and (plan_sm90_work(sizes, num_sms, narrow.max_width, narrow.split_k)
+                  == plan_sm90_work(sizes, num_sms, wide.max_width, wide.split_k)):
+        return narrow
+    return wide
 
 
 @dataclasses.dataclass(frozen=True)
 class Sm90WorkPlan:
     """The M-exact kernel's schedule for one problem: how each group's M is split, and which tiles (or, with
-    stream-K, K ranges of tiles: parts) each CTA runs (`plan_sm90_work`). `words()` is its device form, what
+    split-K, K ranges of tiles: parts) each CTA runs (`plan_sm90_work`). `words()` is its device form, what
     the kernel reads."""
 
     splits: tuple  # per group: (number of M splits, width of each: one of SM90_WIDTHS)
@@ -500,7 +507,7 @@ class Sm90WorkPlan:
     # 128-k chunk, chunks, split tile index or -1 for a whole tile, part | parts << 8 | first slot << 16)
     cta_tiles: tuple
     makespan: float  # the busiest CTA's cost (SM90 cost units)
-    num_split_tiles: int = 0  # tiles whose K is split over several parts (stream-K); each has one counter
+    num_split_tiles: int = 0  # tiles whose K is split over several parts (split-K); each has one counter
     num_slots: int = 0  # fp32 partial-accumulator slots: one per part of a split tile
 
     @property
@@ -529,21 +536,21 @@ class Sm90WorkPlan:
 # chunks word.
 SM90_PART_WORDS = 8
 SM90_SPLIT_FLAG = 1 << 16
-# Stream-K: a part of a split tile writes its fp32 partial accumulator to a slot, and the last part to finish
+# Split-K: a part of a split tile writes its fp32 partial accumulator to a slot, and the last part to finish
 # reads all of the tile's slots back and stores the tile: cost per part, in cost units per row of A (the
 # write, and its share of the read, of 512 bytes per row of A; a first estimate, for the H200 to settle).
 SM90_SPLIT_COST_PER_ROW = 1.5
-# Stream-K: no part shorter than this many 128-k chunks (a part costs a tile's start and finish).
+# Split-K: no part shorter than this many 128-k chunks (a part costs a tile's start and finish).
 SM90_MIN_PART_CHUNKS = 2
-# Stream-K: at most this many split tiles (one arrival counter each per consumer warpgroup in the workspace),
+# Split-K: at most this many split tiles (one arrival counter each per consumer warpgroup in the workspace),
 # and parts per tile (the last part reads them all back: its fix-up grows with their number).
 SM90_MAX_SPLIT_TILES = 1024
 SM90_MAX_PARTS = 4
-# Stream-K is planned where whole tiles are at most one per SM (the whole-tile plan leaves SMs idle for the
+# Split-K is planned where whole tiles are at most one per SM (the whole-tile plan leaves SMs idle for the
 # whole call: bench2, 120 tiles of 32 chunks on 132 SMs, measured 10 % faster with it) and taken where it
 # predicts a makespan this much shorter. NOTES: with more tiles per SM it measured slower than predicted
 # (bench0, 2.2 tiles per SM: 3 % slower instead of 9 % faster; docs/HOPPER_NOTES.md v17), so it is not tried.
-SM90_STREAM_K_GAIN = 0.97
+SM90_SPLIT_K_GAIN = 0.97
 
 
 def sm90_tile_cost(width: int, k: int) -> float:
@@ -610,7 +617,7 @@ def _sm90_assign(problem_sizes, splits: list, num_sms: int) -> tuple:
     return max(load for load, _ in heap), per_cta
 
 
-def _sm90_stream_k_fill(tiles: list, chunks: list, limit: float, grid: int):
+def _sm90_split_k_fill(tiles: list, chunks: list, limit: float, grid: int):
     """Deal `tiles` (each `chunks[i]` 128-k chunks) in order onto at most `grid` CTAs of at most `limit`
     cost each, splitting a tile's K where it does not fit whole: per CTA its parts (tile index, first chunk,
     chunks), or None where `grid` CTAs do not suffice."""
@@ -637,9 +644,9 @@ def _sm90_stream_k_fill(tiles: list, chunks: list, limit: float, grid: int):
     return ctas
 
 
-def _sm90_stream_k(problem_sizes, splits: list, num_sms: int) -> Optional[Sm90WorkPlan]:
-    """Stream-K plan of the tiles of `splits`: tiles in order, dealt onto the CTAs as contiguous runs of
-    equal cost (the shortest limit that `_sm90_stream_k_fill` meets, by bisection), a tile that does not fit
+def _sm90_split_k(problem_sizes, splits: list, num_sms: int) -> Optional[Sm90WorkPlan]:
+    """Split-K plan of the tiles of `splits`: tiles in order, dealt onto the CTAs as contiguous runs of
+    equal cost (the shortest limit that `_sm90_split_k_fill` meets, by bisection), a tile that does not fit
     whole split in K across consecutive CTAs. None where nothing is split (then the whole-tile plan is
     better) or the counters would not suffice."""
     tiles = _sm90_tiles(problem_sizes, splits)
@@ -647,10 +654,10 @@ def _sm90_stream_k(problem_sizes, splits: list, num_sms: int) -> Optional[Sm90Wo
     total = sum(sm90_tile_cost(w, problem_sizes[g][2]) for g, _, w, _ in tiles)
     grid = min(num_sms, len(tiles) * max(chunks))
     lo, hi = total / grid, total
-    best = _sm90_stream_k_fill(tiles, chunks, hi, grid)
+    best = _sm90_split_k_fill(tiles, chunks, hi, grid)
     for _ in range(24):
         mid = (lo + hi) / 2
-        ctas = _sm90_stream_k_fill(tiles, chunks, mid, grid)
+        ctas = _sm90_split_k_fill(tiles, chunks, mid, grid)
         if ctas is None:
             lo = mid
         else:
@@ -683,7 +690,7 @@ def _sm90_stream_k(problem_sizes, splits: list, num_sms: int) -> Optional[Sm90Wo
 
 @functools.lru_cache(maxsize=256)
 def plan_sm90_work(problem_sizes: tuple, num_sms: int, max_width: int = SM90_WIDTHS[-1],
-                   stream_k: bool = True) -> Sm90WorkPlan:
+                   split_k: bool = True) -> Sm90WorkPlan:
     """M splits and a balanced work list for the M-exact Hopper kernel (host side, once per problem shape).
 
     Whole tiles: start from the best of "every group split into the fewest tiles of at most `cap` rows" over
@@ -693,8 +700,8 @@ def plan_sm90_work(problem_sizes: tuple, num_sms: int, max_width: int = SM90_WID
     rows. Tiles go to CTAs longest first, each to the least loaded (`_sm90_assign`), so uneven widths still
     balance. Host cost: ~5 ms for the benchmarks, ~0.1 s for 128 groups of up to 3000 rows (66k tiles).
 
-    Stream-K (`stream_k`, where whole tiles are at most one per SM): for each cap, the fewest splits' tiles dealt as
-    equal-cost runs with tiles split in K across CTAs (`_sm90_stream_k`); splitting K converts no B twice, so
+    Split-K (`split_k`, where whole tiles are at most one per SM): for each cap, the fewest splits' tiles dealt as
+    equal-cost runs with tiles split in K across CTAs (`_sm90_split_k`); splitting K converts no B twice, so
     the widest tiles can fill the SMs. Taken where its predicted makespan, fix-up included, beats the
     whole-tile plan's by 3 %.
     """
@@ -719,21 +726,21 @@ def plan_sm90_work(problem_sizes: tuple, num_sms: int, max_width: int = SM90_WID
     makespan, per_cta = _sm90_assign(problem_sizes, splits, num_sms)
     widths = tuple((s, _sm90_split_width(m, s)) for (m, _, _, _), s in zip(problem_sizes, splits))
     plan = Sm90WorkPlan(widths, tuple(tuple(tiles) for tiles in per_cta), makespan)
-    if stream_k and plan.num_tiles <= num_sms:
+    if split_k and plan.num_tiles <= num_sms:
         for cap in sm90_widths(max_width):
-            other = _sm90_stream_k(problem_sizes, [ceil_div(m, cap) for m, _, _, _ in problem_sizes], num_sms)
-            if other is not None and other.makespan < SM90_STREAM_K_GAIN * plan.makespan:
+            other = _sm90_split_k(problem_sizes, [ceil_div(m, cap) for m, _, _, _ in problem_sizes], num_sms)
+            if other is not None and other.makespan < SM90_SPLIT_K_GAIN * plan.makespan:
                 plan = other
     return plan
 
 
 @functools.lru_cache(maxsize=64)
-def sm90_work_list(problem_sizes: tuple, num_sms: int, max_width: int, stream_k: bool,
+def sm90_work_list(problem_sizes: tuple, num_sms: int, max_width: int, split_k: bool,
                    device: torch.device) -> torch.Tensor:
     """`plan_sm90_work`'s words as a device int32 tensor, made once per problem shape, widest tile, plan kind
     and device (an ordinary copy, which waits for the device: only the first call of a new problem shape pays
     it)."""
-    plan = plan_sm90_work(problem_sizes, num_sms, max_width, stream_k)
+    plan = plan_sm90_work(problem_sizes, num_sms, max_width, split_k)
     partials_kb = Sm90BlockScaledGroupedGemmKernel.partials_offset(problem_sizes) // 1024 if plan.num_slots else 0
     return torch.tensor(plan.words(partials_kb), dtype=torch.int32, device=device)
 
@@ -2637,7 +2644,7 @@ def ld_global_cg_v4_f32(addr, *, loc=None, ip=None):
 
 @dsl_user_op
 def sm90_split_arrive(counter_addr, leader, last_arrival, barrier_id, *, loc=None, ip=None):
-    """A consumer warpgroup's arrival on a stream-K tile's counter, after its threads stored their partials:
+    """A consumer warpgroup's arrival on a split-K tile's counter, after its threads stored their partials:
     named barrier `barrier_id` (128 threads), then the leader adds 1 (acq_rel, GPU scope: the warpgroup's
     stores are released with it, the other parts' acquired), and the warpgroup learns by a barrier reduction
     whether it was the last of the tile's parts (the add returned `last_arrival`). The last resets the counter
@@ -2698,7 +2705,7 @@ def sm90_grid_arrive_and_wait(sync_addr, last_arrival, *, loc=None, ip=None):
 
 
 # Bytes of the Hopper workspace's grid-barrier words (arrival count, generation), after the descriptor rows;
-# then the stream-K arrival counters, one per split tile and consumer warpgroup.
+# then the split-K arrival counters, one per split tile and consumer warpgroup.
 SM90_SYNC_BYTES = 128
 SM90_COUNTER_BYTES = SM90_MAX_SPLIT_TILES * 2 * 4
 
@@ -2851,7 +2858,7 @@ class Sm90BlockScaledGroupedGemmKernel:
     """
 
     EPILOGUE_BARRIER = 2
-    SLOT_ROWS = 128  # rows of B in a stream-K partial slot (the tile's)
+    SLOT_ROWS = 128  # rows of B in a split-K partial slot (the tile's)
 
     A_BYTES = 128 * 64  # A fp4 rows of one stage: 128 x 64 B (128 k)
     SF_BYTES = 1024  # one 128-row scale slice for 128 k
@@ -2920,7 +2927,7 @@ class Sm90BlockScaledGroupedGemmKernel:
 
     @staticmethod
     def partials_offset(problem_sizes) -> int:
-        """Byte offset of the stream-K partial slots in an m_exact workspace (after the fp16 A, 1024-aligned);
+        """Byte offset of the split-K partial slots in an m_exact workspace (after the fp16 A, 1024-aligned);
         a function of the problem shape, so the work list carries it (in KB)."""
         a16 = sum(m * k * 2 for m, _, k, _ in problem_sizes)
         return ceil_div(Sm90BlockScaledGroupedGemmKernel.a16_offset(len(problem_sizes)) + a16, 1024) * 1024
@@ -2932,8 +2939,8 @@ class Sm90BlockScaledGroupedGemmKernel:
 
     @staticmethod
     def workspace_bytes(config: "Sm90GemmConfig", problem_sizes, plan: Optional["Sm90WorkPlan"] = None) -> int:
-        """Descriptor rows, the grid-barrier words and stream-K counters, then (prepass) every group's A as
-        fp16, M x K x 2 bytes each, then (a stream-K plan) its partial slots."""
+        """Descriptor rows, the grid-barrier words and split-K counters, then (prepass) every group's A as
+        fp16, M x K x 2 bytes each, then (a split-K plan) its partial slots."""
         if plan is not None and plan.num_slots:
             kernel = Sm90BlockScaledGroupedGemmKernel
             return kernel.partials_offset(problem_sizes) + plan.num_slots * kernel.slot_bytes(config)
@@ -3009,7 +3016,7 @@ class Sm90BlockScaledGroupedGemmKernel:
     @cute.jit
     def prepare_workspace(self, tensormaps: cute.Tensor, group):
         """`GroupTensormapKernel`'s extra step (once per input set, ahead of the first GEMM on this workspace):
-        zero the grid-barrier words of the fused A conversion and the stream-K counters (both self-resetting
+        zero the grid-barrier words of the fused A conversion and the split-K counters (both self-resetting
         after that)."""
         if cutlass.const_expr(self.fused_convert):
             if group == 0 and cute.arch.lane_idx() == 0:
@@ -3427,7 +3434,7 @@ class Sm90BlockScaledGroupedGemmKernel:
 
     @cute.jit
     def split_fixup(self, width: int, acc, split, slot, work, tensormaps, wg, tid, epilogue_barrier):
-        """Stream-K: this warpgroup's part of split tile `split` writes its fp32 accumulator to its slot and
+        """Split-K: this warpgroup's part of split tile `split` writes its fp32 accumulator to its slot and
         arrives on the tile's counter; the last part to arrive reads every slot back, in slot order (so the
         sum does not depend on which part finished last), into `acc` and returns 1: it stores the tile.
         `slot`: part index | parts << 8 | first slot << 16 (`Sm90WorkPlan.cta_tiles`).
@@ -3545,7 +3552,7 @@ def compile_key(num_groups: int, arch: str, config=None, part: str = "gemm") -> 
     if config is None:
         config = variant_config(KERNEL_VARIANT)
     if isinstance(config, Sm90GemmConfig):
-        config = dataclasses.replace(config, stream_k=True)  # the plan's choice: the same kernel runs both
+        config = dataclasses.replace(config, split_k=True)  # the plan's choice: the same kernel runs both
     return ("nvfp4_grouped_gemm", part, arch, DSL_VERSION, config, int(num_groups), _launch_abi())
 
 
@@ -3964,9 +3971,9 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
     if isinstance(config, Sm90GemmConfig):
         if config.m_exact:
             sizes, num_sms = tuple(map(tuple, data[3])), _device_sm_count(device.index)
-            plan = plan_sm90_work(sizes, num_sms, config.max_width, config.stream_k)
+            plan = plan_sm90_work(sizes, num_sms, config.max_width, config.split_k)
             num_tiles, num_ctas = plan.num_tiles, len(plan.cta_tiles)
-            work_list = sm90_work_list(sizes, num_sms, config.max_width, config.stream_k, device)
+            work_list = sm90_work_list(sizes, num_sms, config.max_width, config.split_k, device)
         else:
             plan, num_ctas = None, min(num_tiles, _device_sm_count(device.index))
         workspace_bytes = Sm90BlockScaledGroupedGemmKernel.workspace_bytes(config, data[3], plan)

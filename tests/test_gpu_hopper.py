@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.gpu,
 # "auto": the tile custom_kernel picks by itself; the others force one entry of SM90_VARIANT_CONFIGS (the
 # sm90_a16_* ones convert A to fp16 once per call, as the GEMM launch's first phase); "two_launch":
 # sm90_a16_mexact with that conversion as a launch of its own (Sm90GemmConfig.a16_fused=False); "whole_tiles":
-# sm90_a16_mexact planned without stream-K (Sm90GemmConfig.stream_k=False: no tile's K split across CTAs).
+# sm90_a16_mexact planned without split-K (Sm90GemmConfig.split_k=False: no tile's K split across CTAs).
 CONFIGS = ["auto", "sm90_tile128", "sm90_a16_mexact", "sm90_a16_mexact128", "two_launch", "whole_tiles"]
 
 
@@ -46,7 +46,7 @@ EDGE_CASES = {
     "widths": dict(m=[1, 32, 33, 64, 97, 128, 150, 192, 193, 400, 1000], n=[4096, 256, 512, 128, 3072, 256, 1024,
                                                                          128, 2048, 512, 1024],
                    k=[256, 512, 256, 768, 256, 512, 256, 256, 512, 256, 256], g=11, seed=13),
-    # stream-K: few tiles of long K, so the plan splits them across up to SM90_MAX_PARTS CTAs each
+    # split-K: few tiles of long K, so the plan splits them across up to SM90_MAX_PARTS CTAs each
     "split_k": dict(m=[1, 192, 65, 300], n=[128, 128, 256, 128], k=[7168, 4096, 2048, 6144], g=4, seed=14),
 }
 
@@ -58,7 +58,7 @@ def sm90(request, monkeypatch):
 
     config = getattr(request, "param", "auto")
     if config in ("two_launch", "whole_tiles"):  # sm90_a16_mexact with one config field changed
-        field = {"two_launch": "a16_fused", "whole_tiles": "stream_k"}[config]
+        field = {"two_launch": "a16_fused", "whole_tiles": "split_k"}[config]
         forced = dataclasses.replace(submission.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], **{field: False})
         monkeypatch.setattr(submission, "choose_sm90_config", lambda sizes, num_sms: forced)
     elif config != "auto":
@@ -147,7 +147,7 @@ def test_same_buffers_new_sizes(sm90):
 
 
 @pytest.mark.parametrize("name", ["split_k", "k7168"])
-def test_stream_k_is_used_and_deterministic(sm90, name):
+def test_split_k_is_used_and_deterministic(sm90, name):
     # The default plan splits these tiles' K (checked on the host plan), and two calls on the same inputs give
     # the same bits: the last part sums the partials in slot order, whichever part finished last.
     args = EDGE_CASES[name]

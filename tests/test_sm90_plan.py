@@ -1,7 +1,7 @@
 """The M-exact Hopper kernel's host plan (`plan_sm90_work`): every output element is covered by exactly one
 tile and every 128-k chunk of a tile by exactly one part, widths are ones the kernel was built for, split
 tiles' parts agree on their counter and slots, the work list's words decode back to the plan, and the
-balance is what longest-processing-time scheduling (whole tiles) or stream-K promises. CPU only."""
+balance is what longest-processing-time scheduling (whole tiles) or split-K promises. CPU only."""
 import random
 
 import pytest
@@ -38,12 +38,12 @@ def _decode(words, grid):
     return words[0], [parts[words[1 + b]:words[2 + b]] for b in range(grid)]
 
 
-@pytest.mark.parametrize("stream_k", [True, False], ids=["stream_k", "whole"])
+@pytest.mark.parametrize("split_k", [True, False], ids=["split_k", "whole"])
 @pytest.mark.parametrize("max_width", [192, 128])
 @pytest.mark.parametrize("num_sms", [132, 8, 1])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"s{i}" for i in range(len(SHAPES))])
-def test_plan_covers_every_output_once(shape, num_sms, max_width, stream_k):
-    plan = submission.plan_sm90_work(shape, num_sms, max_width, stream_k)
+def test_plan_covers_every_output_once(shape, num_sms, max_width, split_k):
+    plan = submission.plan_sm90_work(shape, num_sms, max_width, split_k)
     widths = submission.SM90_WIDTHS
     grid = len(plan.cta_tiles)
     assert 1 <= grid <= num_sms and all(plan.cta_tiles)
@@ -66,7 +66,7 @@ def test_plan_covers_every_output_once(shape, num_sms, max_width, stream_k):
         assert chunks == list(range(k // 128)), (g, m0, nt, parts)
     assert len(covered) == sum(m * (n // 128) for m, n, _, _ in shape)
     _check_splits(plan, tiles)
-    if not stream_k:
+    if not split_k:
         assert plan.num_split_tiles == 0 and all(len(p) == 1 for p in tiles.values())
     # one width per group, none wider than the kernel's widest, and its splits cannot be fewer
     for g, ((m, _, _, _), (splits, width)) in enumerate(zip(shape, plan.splits)):
@@ -121,7 +121,7 @@ def test_work_list_words_decode_to_the_plan(shape):
     assert _decode(words, len(plan.cta_tiles)) == (12345, expect)
 
 
-def test_stream_k_splits_where_whole_tiles_leave_sms_idle():
+def test_split_k_splits_where_whole_tiles_leave_sms_idle():
     # bench2 (120 tiles of 32 chunks on 132 SMs) gets split tiles and a shorter predicted makespan; bench0 /
     # bench1 (more tiles than SMs) and bench3 (nothing to gain) keep their whole-tile plans; a single tile of
     # long K is spread over several SMs.
@@ -132,7 +132,7 @@ def test_stream_k_splits_where_whole_tiles_leave_sms_idle():
         assert (plan.num_split_tiles > 0) == expect_split, (shape, plan.num_split_tiles)
         assert plan.makespan <= whole.makespan
         if expect_split:
-            assert plan.makespan < submission.SM90_STREAM_K_GAIN * whole.makespan
+            assert plan.makespan < submission.SM90_SPLIT_K_GAIN * whole.makespan
     one = submission.plan_sm90_work(((200, 128, 7168, 1),), 132, 192, True)
     alone = submission.plan_sm90_work(((200, 128, 7168, 1),), 132, 192, False)
     assert one.num_split_tiles >= 1 and len(one.cta_tiles) > len(alone.cta_tiles)
@@ -140,7 +140,7 @@ def test_stream_k_splits_where_whole_tiles_leave_sms_idle():
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"s{i}" for i in range(len(SHAPES))])
-def test_stream_k_plan_is_balanced(shape):
+def test_split_k_plan_is_balanced(shape):
     num_sms = 132
     plan = submission.plan_sm90_work(shape, num_sms)
     loads = [sum(submission.sm90_part_cost(submission.SM90_WIDTHS[wi], chunks, split >= 0)
@@ -186,3 +186,15 @@ def test_plan_of_a_large_moe_layer_is_quick():
     plan = submission.plan_sm90_work(shape, 132)
     assert time.perf_counter() - start < 2.0  # ~0.1 s on a 2-core CI box
     assert plan.num_tiles == sum(s * 64 for s, _ in plan.splits)
+
+
+def test_auto_takes_the_128_row_build_only_where_the_plans_are_the_same():
+    # sm90_auto: `sm90_a16_mexact128` (a deeper fp16 A ring) only where the widest build would run the very same
+    # plan (bench3, measured 2 % faster); bench2's split-K plan needs 160-row tiles, bench0 / bench1 wider ones.
+    chosen = [submission.choose_sm90_config(list(shape), 132).max_width for shape in _task_shapes()[-4:]]
+    assert chosen == [192, 192, 192, 128]
+    for shape in _task_shapes():
+        config = submission.choose_sm90_config(list(shape), 132)
+        same = submission.plan_sm90_work(shape, 132, 128) == submission.plan_sm90_work(shape, 132, 192)
+        assert (config.max_width == 128) == same
+    assert submission.choose_sm90_config((), 132) is submission.SM90_VARIANT_CONFIGS["sm90_a16_mexact"]
