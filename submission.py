@@ -39,13 +39,16 @@ and reading the SASS.
 
 How it runs on Hopper (sm_90a, `Sm90BlockScaledGroupedGemmKernel`, checked on an H200): no fp4 tensor cores,
 so both operands are dequantized exactly to fp16 (every e2m1 x e4m3 product is exact in fp16) and multiplied
-by fp16 wgmma with fp32 accumulation. By default (`sm90_auto` = `sm90_a16_mexact`) one persistent launch per
-call: first every thread of every CTA writes its share of all groups' A as fp16 into the launch's workspace
-and a grid-wide barrier orders that before any fp16 A load (`Sm90GemmConfig.a16_fused`); then the CTAs walk
-a host-planned work list (`plan_sm90_work`: each group's M split into tiles 64-192 rows wide, dealt
-longest first to the least-loaded CTA): a producer warp TMA-loads fp16 A, the packed fp4 B and its blocked
-scales, two consumer warpgroups dequantize B in registers as the wgmma A operand, run the mainloop compiled
-for the tile's width, and store C^T tiles by TMA. Barriers and copies are the DSL's pipeline classes and TMA
+by fp16 wgmma with fp32 accumulation. By default (`sm90_auto`: `sm90_a16_mexact`, or `sm90_a16_mexact128`
+where that runs the same plan) one persistent launch per call: first every thread of every CTA writes its
+share of all groups' A as fp16 into the launch's workspace and a grid-wide barrier orders that before any
+fp16 A load (`Sm90GemmConfig.a16_fused`); then the CTAs walk a host-planned work list (`plan_sm90_work`:
+each group's M split into tiles 64-192 rows wide, dealt longest first to the least-loaded CTA; where whole
+tiles are at most one per SM, tiles' K may be split across CTAs instead, `Sm90GemmConfig.split_k`): a
+producer warp TMA-loads fp16 A, the packed fp4 B and its blocked scales, two consumer warpgroups dequantize
+B in registers as the wgmma A operand, run the mainloop compiled for the tile's width, and store C^T tiles
+by TMA (a part of a split tile first meets the other parts' fp32 partials in the workspace:
+`Sm90BlockScaledGroupedGemmKernel.split_fixup`). Barriers and copies are the DSL's pipeline classes and TMA
 atoms, as on Blackwell; inline PTX is left for the operand conversions and hand-addressed shared memory.
 `sm90_tile128` uses 128-row tiles on the round-robin `GroupTileScheduler` and converts A in a transform
 warpgroup of every CTA. Both arches share the host path: constraint check, pointer/size tables, launch
@@ -2855,6 +2858,13 @@ class Sm90BlockScaledGroupedGemmKernel:
     and the grid-barrier words (`a16_offset`), by this launch's first phase (a16_fused) or `Sm90AConvertKernel`;
     the producer TMA-loads it straight into the fp16 A buffers (a16_full completes on the transaction bytes),
     the transform warpgroup has nothing to do, and a stage holds only B and SFB.
+
+    Workspace (m_exact): descriptor rows | grid-barrier words | split-K counters (one per split tile and
+    consumer warpgroup, SM90_MAX_SPLIT_TILES of them, zeroed by `prepare_workspace`, reset by the last part)
+    | fp16 A (`a16_offset`) | split-K partial slots (`partials_offset`, `slot_bytes` each; the work list's
+    first word gives their offset). Split-K (`split_fixup`): a part's consumer warpgroups write their fp32
+    accumulators to the part's slot and arrive on the tile's counter; the last part reads every slot back in
+    slot order and runs the epilogue; the others skip it.
     """
 
     EPILOGUE_BARRIER = 2
