@@ -491,8 +491,14 @@ def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
     so both run the very same plan (bench3: 2.0 % faster on the H200, v17); else `sm90_a16_mexact` (bench2,
     whose split-K plan takes 160-row tiles: 11 % slower at 128; bench0 / bench1, not measured at 128).
     No sizes (`compile_for`): `sm90_a16_mexact`."""
-    wide, narrow = SM90_VARIANT_CONFIGS["sm90_a16_mexact"], SM90_VARIANT_CONFIGS["sm90_a16_mexact128"]
     sizes = tuple(tuple(size) for size in problem_sizes if size[0] != 0)
+    return _choose_sm90_config(sizes, num_sms)
+
+
+@functools.lru_cache(maxsize=256)
+def _choose_sm90_config(sizes: tuple, num_sms: int) -> Sm90GemmConfig:
+    """`choose_sm90_config` once per problem shape (comparing two plans is O(tiles))."""
+    wide, narrow = SM90_VARIANT_CONFIGS["sm90_a16_mexact"], SM90_VARIANT_CONFIGS["sm90_a16_mexact128"]
     if sizes and (plan_sm90_work(sizes, num_sms, narrow.max_width, narrow.split_k)
                   == plan_sm90_work(sizes, num_sms, wide.max_width, wide.split_k)):
         return narrow
