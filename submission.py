@@ -2550,11 +2550,18 @@ def ld_shared_u32(addr, *, loc=None, ip=None):
     return cutlass.Uint32(r)
 
 
+def _load_v4(ptx: str, addr, elem, reg: str, addr_reg: str, side_effects: bool, loc, ip) -> list:
+    """An inline-PTX load of four `elem` values ($0-$3) from `addr` ($4): the four values, as MLIR values."""
+    constraints = ",".join([f"={reg}"] * 4 + [addr_reg]) + (",~{memory}" if side_effects else "")
+    r = _asm(llvm.StructType.get_literal([elem] * 4), [addr], ptx, constraints, side_effects, loc, ip)
+    return [llvm.extractvalue(elem, r, [i], loc=loc, ip=ip) for i in range(4)]
+
+
 @dsl_user_op
 def ld_shared_v4(addr, *, loc=None, ip=None):
-    r = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_i32(addr, loc, ip)],
-             "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,~{memory}", True, loc, ip)
-    return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+    words = _load_v4("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", _i32(addr, loc, ip), T.i32(), "r", "r", True,
+                     loc, ip)
+    return [cutlass.Uint32(w) for w in words]
 
 
 @dsl_user_op
@@ -2631,10 +2638,9 @@ def st_global_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
 @dsl_user_op
 def ld_global_v4(addr, fresh: bool = False, *, loc=None, ip=None):
     """Four 32-bit words of read-only global memory (16-byte aligned); `fresh` as for `ld_global_u32`."""
-    r = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_i64(addr, loc, ip)],
-             "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l" + (",~{memory}" if fresh else ""),
-             fresh, loc, ip)
-    return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+    words = _load_v4("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", _i64(addr, loc, ip), T.i32(), "r", "l", fresh,
+                     loc, ip)
+    return [cutlass.Uint32(w) for w in words]
 
 
 @dsl_user_op
@@ -2646,9 +2652,9 @@ def st_global_v4_f32(addr, v0, v1, v2, v3, *, loc=None, ip=None):
 @dsl_user_op
 def ld_global_cg_v4_f32(addr, *, loc=None, ip=None):
     """Four floats written by other CTAs of this grid (after `sm90_split_arrive`): cached in L2 only."""
-    r = _asm(llvm.StructType.get_literal([T.f32()] * 4), [_i64(addr, loc, ip)],
-             "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l,~{memory}", True, loc, ip)
-    return [cutlass.Float32(llvm.extractvalue(T.f32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+    values = _load_v4("ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", _i64(addr, loc, ip), T.f32(), "f", "l", True,
+                      loc, ip)
+    return [cutlass.Float32(v) for v in values]
 
 
 @dsl_user_op
