@@ -603,6 +603,11 @@ def _sm90_makespan(problem_sizes, splits: list, num_sms: int) -> float:
 SM90_SIMULATED_TILES_PER_CTA = 8
 
 
+def _sm90_group_widths(problem_sizes, splits: list) -> tuple:
+    """`Sm90WorkPlan.splits` of `splits`: per group (number of M splits, width of each)."""
+    return tuple((s, _sm90_split_width(m, s)) for (m, _, _, _), s in zip(problem_sizes, splits))
+
+
 def _sm90_tiles(problem_sizes, splits: list) -> list:
     """Every tile of `splits`: (group, first row, width, N tile), in group, M split, N tile order."""
     tiles = []
@@ -635,9 +640,10 @@ def _sm90_split_k_fill(tiles: list, chunks: list, limit: float, grid: int):
         k0, parts = 0, 1
         while k0 < count:
             rest = count - k0
-            if sm90_part_cost(width, rest, k0 > 0) <= limit - load:
+            whole = sm90_part_cost(width, rest, k0 > 0)
+            if whole <= limit - load:
                 ctas[-1].append((t, k0, rest))
-                load += sm90_part_cost(width, rest, k0 > 0)
+                load += whole
                 break
             take = int((limit - load - sm90_part_cost(width, 0, True)) // (width + SM90_CHUNK_OVERHEAD_ROWS))
             if parts < SM90_MAX_PARTS and take >= SM90_MIN_PART_CHUNKS and rest - take >= SM90_MIN_PART_CHUNKS:
@@ -693,8 +699,7 @@ def _sm90_split_k(problem_sizes, splits: list, num_sms: int) -> Optional[Sm90Wor
             load += sm90_part_cost(width, count, s >= 0)
         cta_tiles.append(tuple(row))
         makespan = max(makespan, load)
-    widths = tuple((s, _sm90_split_width(m, s)) for (m, _, _, _), s in zip(problem_sizes, splits))
-    return Sm90WorkPlan(widths, tuple(cta_tiles), makespan, len(split), slots)
+    return Sm90WorkPlan(_sm90_group_widths(problem_sizes, splits), tuple(cta_tiles), makespan, len(split), slots)
 
 
 @functools.lru_cache(maxsize=256)
@@ -733,11 +738,11 @@ def plan_sm90_work(problem_sizes: tuple, num_sms: int, max_width: int = SM90_WID
             break
         best, splits = makespan, trial
     makespan, per_cta = _sm90_assign(problem_sizes, splits, num_sms)
-    widths = tuple((s, _sm90_split_width(m, s)) for (m, _, _, _), s in zip(problem_sizes, splits))
-    plan = Sm90WorkPlan(widths, tuple(tuple(tiles) for tiles in per_cta), makespan)
+    plan = Sm90WorkPlan(_sm90_group_widths(problem_sizes, splits), tuple(tuple(tiles) for tiles in per_cta),
+                        makespan)
     if split_k and plan.num_tiles <= num_sms:
-        for cap in sm90_widths(max_width):
-            other = _sm90_split_k(problem_sizes, [ceil_div(m, cap) for m, _, _, _ in problem_sizes], num_sms)
+        for _, cap_splits in starts:  # each cap's fewest splits
+            other = _sm90_split_k(problem_sizes, cap_splits, num_sms)
             if other is not None and other.makespan < SM90_SPLIT_K_GAIN * plan.makespan:
                 plan = other
     return plan
@@ -2940,6 +2945,11 @@ class Sm90BlockScaledGroupedGemmKernel:
         """Address of this launch's grid-barrier words (the workspace is `tensormaps`' buffer)."""
         return tensormaps.iterator.toint() + self.sync_offset(self.num_groups)
 
+    def counters_address(self, tensormaps: cute.Tensor):
+        """Address of the split-K arrival counters (after the grid-barrier words): split tile s, consumer
+        warpgroup wg at + 8 s + 4 wg."""
+        return self.sync_address(tensormaps) + SM90_SYNC_BYTES
+
     @staticmethod
     def a16_offset(num_groups: int) -> int:
         """Byte offset of the fp16 A region in the workspace (after the grid-barrier words, rounded up to 1024
@@ -2956,8 +2966,8 @@ class Sm90BlockScaledGroupedGemmKernel:
 
     @staticmethod
     def slot_bytes(config: "Sm90GemmConfig") -> int:
-        """One partial slot: the tile's fp32 accumulator, 128 rows of B x the widest tile's rows of A."""
-        return 128 * config.tile_mn[0] * 4
+        """One partial slot: the tile's fp32 accumulator, SLOT_ROWS rows of B x the widest tile's rows of A."""
+        return Sm90BlockScaledGroupedGemmKernel.SLOT_ROWS * config.tile_mn[0] * 4
 
     @staticmethod
     def workspace_bytes(config: "Sm90GemmConfig", problem_sizes, plan: Optional["Sm90WorkPlan"] = None) -> int:
@@ -3046,7 +3056,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                 st_global_u32(sync, cutlass.Uint32(0))
                 st_global_u32(sync + 4, cutlass.Uint32(0))
         if cutlass.const_expr(self.m_exact):
-            counters = self.sync_address(tensormaps) + SM90_SYNC_BYTES
+            counters = self.counters_address(tensormaps)
             for i in cutlass.range(group * 32 + cute.arch.lane_idx(), SM90_COUNTER_BYTES // 4, self.num_groups * 32,
                                    unroll=1):
                 st_global_u32(counters + 4 * i, cutlass.Uint32(0))
@@ -3463,7 +3473,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         A slot: [consumer warpgroup][v4 j][thread] of 16 bytes, so each access of a warpgroup is 2 KB in a row."""
         part = slot & 0xFF
         parts = (slot >> 8) & 0xFF
-        slot_bytes = self.SLOT_ROWS * self.tile_m * 4
+        slot_bytes = self.slot_bytes(self.config)
         workspace = tensormaps.iterator.toint()
         # the work list's first word: the slots' offset in the workspace, in KB (computed here, not kept live
         # across the tile loop: the consumers have no register to spare)
@@ -3472,7 +3482,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         own = first + cutlass.Int64(part) * slot_bytes
         for j in cutlass.range_constexpr(width // 8):
             st_global_v4_f32(own + 2048 * j, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
-        counter = self.sync_address(tensormaps) + SM90_SYNC_BYTES + 8 * split + 4 * wg
+        counter = self.counters_address(tensormaps) + 8 * split + 4 * wg
         # NOTES: the same in every thread (a barrier reduction), and ptxas must be told: unmarked, the branches
         # on it made the tile loop divergent, the wgmma descriptors left the uniform registers (DSL 4.5.2
         # SASS: 213 R2UR instead of 53, two per wgmma) and whole tiles ran 5 % slower (H200, bench0 / bench1)

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+import harness
 import reference
 from conftest import cuda_capability, load_task_yml
 
@@ -151,7 +152,7 @@ def test_split_k_is_used_and_deterministic(sm90, name):
     # The default plan splits these tiles' K (checked on the host plan), and two calls on the same inputs give
     # the same bits: the last part sums the partials in slot order, whichever part finished last.
     args = EDGE_CASES[name]
-    shape = tuple(zip(args["m"], args["n"], args["k"], [1] * args["g"]))
+    shape = tuple(harness.case_sizes(args))
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert sm90.plan_sm90_work(shape, num_sms).num_split_tiles > 0
     data = reference.generate_input(**args)
