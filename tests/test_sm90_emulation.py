@@ -33,23 +33,31 @@ def prmt(a, b, sel):
     return out
 
 
+E4M3_AS_F16 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16)
+
+
 def scale_to_f16x2(word, sel):
+    # prmt puts the chosen byte into both bytes of the low half; the hardware e4m3x2 -> f16x2 conversion
+    # (here torch's e4m3 -> fp16 cast, an independent decode), then the product with 2^7
     x = prmt(word, 0, sel)
-    a = ((x << 7) & M32) & 0x3F803F80
-    b = ((x << 8) & M32) & 0x80008000
-    r = f16x2_mul(a | b, 0x78007800)
-    if (x & 0x7F) == 0x7F:
-        r = 0x7E007E00
-    return r
+    lo, hi = (int(E4M3_AS_F16[x & 0xFF]) & 0xFFFF, int(E4M3_AS_F16[(x >> 8) & 0xFF]) & 0xFFFF)
+    return f16x2_mul(lo | (hi << 16), 0x58005800)
+
+
+def lop3_or_and(a, b, c):
+    return (a | b) & c  # lop3.b32 with LUT 0xA8
 
 
 def fp4x8_to_f16x2x4(w, sc):
-    out = []
-    for i, (sm, ss) in enumerate([(9, 12), (5, 8), (1, 4), (-3, 0)]):
-        m = ((w << sm) if sm >= 0 else (w >> -sm)) & M32 & 0x0E000E00
-        s = (w << ss) & M32 & 0x80008000
-        out.append(f16x2_mul(m | s, sc))
-    return out
+    u = w & 0xF0F0F0F0
+    t = u >> 3
+    lw = w & 0x0F0F0F0F
+    a, b = (lw << 4) & M32, (lw << 1) & M32
+    r3 = lop3_or_and(u, t, 0x8E008E00)
+    r1 = (lop3_or_and(u, t, 0x008E008E) << 8) & M32
+    r2 = lop3_or_and(a, b, 0x8E008E00)
+    r0 = (lop3_or_and(a, b, 0x008E008E) << 8) & M32
+    return [f16x2_mul(r, sc) for r in (r0, r1, r2, r3)]
 
 
 def halves(u):
@@ -62,7 +70,7 @@ def check_bit_tricks():
     for v in range(256):
         for b in range(4):
             word = (v << (8 * b)) | (0x5A << (8 * ((b + 1) % 4)))
-            got = halves(scale_to_f16x2(word, (4 << 12) | (4 << 4) | b * 0x101))
+            got = halves(scale_to_f16x2(word, b * 0x11))
             want = e4m3[v] * 2.0 ** 7
             assert (np.isnan(want) and np.isnan(got).all()) or (got == want).all(), (v, b, got, want)
     # every pair of e2m1 codes with a range of scales
@@ -72,7 +80,7 @@ def check_bit_tricks():
         s = int(rng.integers(0, 256))
         if s & 0x7F == 0x7F:
             continue
-        sc = scale_to_f16x2(s, 0x4040)
+        sc = scale_to_f16x2(s, 0x00)
         regs = fp4x8_to_f16x2x4(w, sc)
         for i in range(4):
             got = halves(regs[i])
@@ -126,7 +134,7 @@ def check_chunk(seed=0):
                         sf = [u32(16384 + sfa_off + 512 * sub) for sub in range(2)]
                         for t in range(4):
                             conv = [fp4x8_to_f16x2x4(words[qq][t], scale_to_f16x2(
-                                sf[qq // 2], (4 << 12) | (4 << 4) | (2 * (qq % 2) + t // 2) * 0x101)) for qq in range(4)]
+                                sf[qq // 2], (2 * (qq % 2) + t // 2) * 0x11)) for qq in range(4)]
                             for i in range(4):
                                 s_log = 2 * t + i // 2
                                 addr = row * 128 + (s_log // 4) * 16384 + ((((2 * s_log + i % 2) % 8) * 16) ^ ((row % 8) * 16))
@@ -142,8 +150,8 @@ def check_chunk(seed=0):
                     bw = [u32(8192 + b_off + 512 * ri + 4 * t) for t in range(4)]
                     sfw = u32(17408 + sfb_off + 128 * ri)
                     bsel = 2 * (q % 2)
-                    sc = [scale_to_f16x2(sfw, (4 << 12) | (4 << 4) | bsel * 0x101),
-                          scale_to_f16x2(sfw, (4 << 12) | (4 << 4) | (bsel + 1) * 0x101)]
+                    sc = [scale_to_f16x2(sfw, bsel * 0x11),
+                          scale_to_f16x2(sfw, (bsel + 1) * 0x11)]
                     for t in range(4):
                         o = fp4x8_to_f16x2x4(bw[t], sc[t // 2])
                         for i in range(4):
