@@ -2889,6 +2889,7 @@ class Sm90BlockScaledGroupedGemmKernel:
 
     A_BYTES = 128 * 64  # A fp4 rows of one stage: 128 x 64 B (128 k)
     SF_BYTES = 1024  # one 128-row scale slice for 128 k
+    C_BYTES = 128 * 64 * 2  # one epilogue slab per consumer warpgroup: 128 m x 64 n fp16
     SMEM_SLACK = 4096  # of DYNAMIC_SMEM_BUDGET: barriers and the alignment of the shared-memory regions
     descriptor_slots = tuple(Sm90TensorMapSlot)
 
@@ -2904,12 +2905,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         self.k_chunk = 128  # k elements per stage
         self.prepass = config.a16_prepass
         self.fused_convert = config.a16_prepass and config.a16_fused  # the conversion is this launch's first phase
-        # The fp16 A ring's entries: with the prepass 64-k slices (two per chunk: a slice is refilled as soon as
-        # the wgmmas of its own two quarters retire, half a chunk earlier than a whole buffer), else whole
-        # 128-k buffers (the transform warpgroup writes a chunk at a time).
-        self.a16_k = 64 if self.prepass else self.k_chunk
-        self.a16_per_chunk = self.k_chunk // self.a16_k
-        self.a16_bytes = self.tile_m * self.a16_k * 2  # one ring entry: tile_m rows x a16_k k of fp16
+        self.a16_bytes = self.tile_m * self.k_chunk * 2  # one fp16 A buffer: tile_m rows x 128 k
         # TMA boxes of the fp16 A loads and of the C^T stores, in rows of A: a width is a whole number of them
         self.box_rows = 32 if self.m_exact else 128
         self.b_bytes = self.tile_n * 64
@@ -2920,21 +2916,12 @@ class Sm90BlockScaledGroupedGemmKernel:
         self.sfb_in_stage = 0 if self.prepass else self.SF_BYTES
         self.sf_stage_bytes = self.sfb_in_stage + self.SF_BYTES
         self.stage_bytes = self.b_bytes + self.a_stage_bytes + self.sf_stage_bytes  # the TMA bytes of a stage
-        # fp16 A ring entries: as many as fit beside the stages and the epilogue slabs (barriers and alignment
-        # padding in SMEM_SLACK), at most 4 chunks' worth: 6 slices of 24 KB (m_exact up to 192 rows), 8 of
-        # 16 KB (up to 128 rows), 3 buffers of 32 KB without the prepass. An entry is refilled only after the
-        # wgmmas that read it retire, so the deeper ring loads A further ahead (measured: 4 instead of 3 whole
-        # buffers, 5 % / 3 % faster on bench2 / bench3).
-        # The epilogue slab of each consumer warpgroup (c_rows m x 64 n fp16) is 128 rows, or 64 (m_exact, whose C^T
-        # boxes are 32 rows) where the 8 KB each that this saves make room for one more ring entry (m_exact up
-        # to 192 rows: 7 slices instead of 6; a tile of 192 rows then stores in three passes instead of two).
-        def ring_entries(c_rows: int) -> int:
-            free = (DYNAMIC_SMEM_BUDGET - self.SMEM_SLACK - self.num_stages * self.stage_bytes
-                    - 2 * c_rows * 64 * 2)
-            return min(4 * self.a16_per_chunk, free // self.a16_bytes)
-        self.c_rows = 64 if self.m_exact and ring_entries(64) > ring_entries(128) else 128
-        self.c_bytes = self.c_rows * 64 * 2
-        self.num_a16 = ring_entries(self.c_rows)
+        # fp16 A buffers: as many as fit beside the stages and the epilogue slabs (barriers and alignment
+        # padding in SMEM_SLACK), at most 4: 3 of 48 KB (m_exact up to 192 rows, or no prepass), 4 of 32 KB
+        # otherwise. A buffer is refilled only after the wgmmas that read it retire, so the deeper ring loads A
+        # further ahead (measured: 4 instead of 3 buffers, 5 % / 3 % faster on bench2 / bench3).
+        free = DYNAMIC_SMEM_BUDGET - self.SMEM_SLACK - self.num_stages * self.stage_bytes - 2 * self.C_BYTES
+        self.num_a16 = min(4, free // self.a16_bytes)
         self.threads = 512
         self.producer_regs = 24
         # With the prepass the transform warpgroup is idle and gives its registers to the consumers:
@@ -3074,13 +3061,12 @@ class Sm90BlockScaledGroupedGemmKernel:
                                    unroll=1):
                 st_global_u32(counters + 4 * i, cutlass.Uint32(0))
 
-    def a16_outer(self, width: int, num_entries: int):
-        """The fp16 A ring seen by a tile of `width` rows (the wgmma B operand, K-major, 128-byte swizzle
-        applied on top): rows 0..width-1 of every 64-k half of every entry (a slice is one half, a buffer
-        two). An entry holds tile_m rows per half whatever the width, so that entries stay put when
-        consecutive tiles have different widths."""
-        return cute.make_layout(((8, width // 8), (64, self.a16_k // 64), num_entries),
-                                stride=((64, 512), (1, self.tile_m * 64), self.tile_m * self.a16_k))
+    def a16_outer(self, width: int, num_buffers: int):
+        """The fp16 A buffers seen by a tile of `width` rows (the wgmma B operand, K-major, 128-byte swizzle
+        applied on top): rows 0..width-1 of every 64-k half of every buffer. A buffer holds tile_m rows per
+        half whatever the width, so that buffers stay put when consecutive tiles have different widths."""
+        return cute.make_layout(((8, width // 8), (64, 2), num_buffers),
+                                stride=((64, 512), (1, self.tile_m * 64), self.tile_m * self.k_chunk))
 
     @cute.jit
     def __call__(self, ptrs_ptr: cute.Pointer, sizes_ptr: cute.Pointer, workspace_ptr: cute.Pointer,
@@ -3102,7 +3088,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                 cute.struct.MemRange[cutlass.Uint8, max(self.num_stages * self.a_stage_bytes, 16)], 1024]
             sSF: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.num_stages * self.sf_stage_bytes], 128]
             a16: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.num_a16 * self.a16_bytes // 2], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, 2 * self.c_bytes // 2], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, 2 * self.C_BYTES // 2], 1024]
 
         self.shared_storage = SharedStorage
 
@@ -3175,10 +3161,10 @@ class Sm90BlockScaledGroupedGemmKernel:
         gB = cute.group_modes(cute.local_tile(g_b, (self.tile_n, 64), (None, None)), 0, 2)  # (box, RestN, RestK)
         tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), sB, gB)
         if cutlass.const_expr(self.prepass):
-            # (box, box within a half, half, ring entry): the fp16 A ring as box_rows-row boxes
+            # (box, box within a half, half, buffer): the fp16 A buffers as box_rows-row boxes
             sA = storage.a16.get_tensor(cute.make_layout(
-                (a_box.outer.shape, self.tile_m // self.box_rows, self.a16_k // 64, self.num_a16),
-                stride=(a_box.outer.stride, self.box_rows * 64, self.tile_m * 64, self.tile_m * self.a16_k)),
+                (a_box.outer.shape, self.tile_m // self.box_rows, 2, self.num_a16),
+                stride=(a_box.outer.stride, self.box_rows * 64, self.tile_m * 64, self.tile_m * self.k_chunk)),
                 swizzle=a_box.inner)
             a_tile = (self.box_rows, 64)
         else:
@@ -3189,8 +3175,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), sA,
                                            cute.group_modes(cute.local_tile(g_a, a_tile, (None, None)), 0, 2))
         # (box, box within a slab, consumer warpgroup): the epilogue slabs as box_rows-row boxes of C^T
-        sC = storage.sC.get_tensor(cute.make_layout((c_box.shape, self.c_rows // self.box_rows, 2),
-                                                    stride=(c_box.stride, self.box_rows * 64, self.c_bytes // 2)))
+        sC = storage.sC.get_tensor(cute.make_layout((c_box.shape, 128 // self.box_rows, 2),
+                                                    stride=(c_box.stride, self.box_rows * 64, self.C_BYTES // 2)))
         gC = cute.group_modes(cute.local_tile(g_c, (64, self.box_rows), (None, None)), 0, 2)  # (box, RestN, RestM)
         tCsC, tCgC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), sC, gC)
         swizzle = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float16).inner
@@ -3270,7 +3256,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         sf_atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), cutlass.Uint8, num_bits_per_copy=self.SF_BYTES * 8)
         # with the prepass the fp16 A ring expects a tile's own bytes: width rows x 128 k (else the producer
         # does not load A into it)
-        a16_pipes = [with_tx_count(a16_pipe, width * self.a16_k * 2) if cutlass.const_expr(self.prepass)
+        a16_pipes = [with_tx_count(a16_pipe, width * self.k_chunk * 2) if cutlass.const_expr(self.prepass)
                      else a16_pipe for width in self.widths]
         if cutlass.const_expr(self.fused_convert):
             # this CTA's arrival (its conversion is done: the kernel's barrier after phase 1), then every CTA's
@@ -3304,7 +3290,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                      a16_pipe, atoms, gmem_parts, smem_parts, sf_atom, smem):
         """The loads of one part (chunks k0 .. k0 + chunks - 1 of a tile of `width` rows of A): per 128-k chunk
         a stage (B, its scales; A fp4 and its scales without the prepass) and, with the prepass, the chunk's
-        fp16 A into the ring's next entries (a16_per_chunk of them)."""
+        fp16 A into buffer chunk % num_a16."""
         tma_a, tma_b = atoms
         tAgA, tBgB = gmem_parts
         tAsA, tBsB = smem_parts
@@ -3334,16 +3320,15 @@ class Sm90BlockScaledGroupedGemmKernel:
                 cute.copy(sf_atom, byte_tensor(sfb + sfb_row + sf_off, self.SF_BYTES, gmem=True),
                           byte_tensor(sf_stage + self.sfb_in_stage, self.SF_BYTES), mbar_ptr=full)
             if cutlass.const_expr(self.prepass):
-                # fp16 A of this chunk: box_rows-row boxes of each 64-k half into the ring's next entries, each
+                # fp16 A of this chunk: box_rows-row boxes of each 64-k half into the ring's next fp16 A buffer,
                 # once the consumers have retired the wgmmas that read its previous contents.
-                for e in cutlass.range_constexpr(self.a16_per_chunk):
-                    a16_state = ring_state((chunk + c) * self.a16_per_chunk + e, self.num_a16, producer=True)
-                    a16_pipe.producer_acquire(a16_state)
-                    a16_full = a16_pipe.producer_get_barrier(a16_state)
-                    for h in cutlass.range_constexpr(self.a16_k // 64):
-                        for j in cutlass.range_constexpr(width // self.box_rows):
-                            cute.copy(tma_a, tAgA[(None, m0 // self.box_rows + j, 2 * kc + e * (self.a16_k // 64) + h)],
-                                      tAsA[(None, j, h, a16_state.index)], tma_bar_ptr=a16_full, tma_desc_ptr=desc_a)
+                a16_state = ring_state(chunk + c, self.num_a16, producer=True)
+                a16_pipe.producer_acquire(a16_state)
+                a16_full = a16_pipe.producer_get_barrier(a16_state)
+                for h in cutlass.range_constexpr(2):
+                    for j in cutlass.range_constexpr(width // self.box_rows):
+                        cute.copy(tma_a, tAgA[(None, m0 // self.box_rows + j, 2 * kc + h)],
+                                  tAsA[(None, j, h, a16_state.index)], tma_bar_ptr=a16_full, tma_desc_ptr=desc_a)
 
     # -----------------------------------------------------------------------------------------------
     # Transform warpgroup: A fp4 (stage) -> fp16 buffer (the wgmma B operand), one row per thread
@@ -3465,7 +3450,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             self.consume_chunk(chunk + c, first, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
                                sfb_off, b_sel)
         warpgroup.wait_group(0)
-        a16_pipe.consumer_release(ring_state((chunk + num_chunks) * self.a16_per_chunk - 1, self.num_a16))
+        a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
         complete = cutlass.Int32(1)
         if cutlass.const_expr(self.m_exact):
             if is_split != 0:
@@ -3517,38 +3502,34 @@ class Sm90BlockScaledGroupedGemmKernel:
     @cute.jit
     def epilogue(self, width: int, acc, desc_c, m0, n_tile, wg, w, tid, tma_c, tCsC, tCgC, c_store,
                  epilogue_barrier, smem):
-        """Per pass of at most c_rows rows of A: acc -> fp16 slab [m][n] in shared memory -> TMA stores of
+        """Per pass of at most 128 rows of A: acc -> fp16 slab [m][n] in shared memory -> TMA stores of
         box_rows x 64 boxes of C^T."""
         lane = tid % 32
-        c_slab = smem.c + wg * self.c_bytes
+        c_slab = smem.c + wg * self.C_BYTES
         n0 = n_tile * self.tile_n + 64 * wg
-        slab = self.c_rows
-        for p in cutlass.range_constexpr((width + slab - 1) // slab):
-            rows = min(slab, width - slab * p)
+        for p in cutlass.range_constexpr((width + 127) // 128):
+            rows = min(128, width - 128 * p)
             if w == 0:
                 c_store.producer_acquire()  # the previous store has read the slab (no-op when none is pending)
             cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
             # value v of the accumulator: n 16 w + lane / 4 + 8 ((v / 2) % 2), m 2 (lane % 4) + v % 2 + 8 (v / 4)
-            for v in cutlass.range_constexpr(slab // 2 * p, slab // 2 * p + rows // 2):
+            for v in cutlass.range_constexpr(64 * p, 64 * p + rows // 2):
                 n_local = 16 * w + lane // 4 + 8 * ((v // 2) % 2)
-                m_local = 2 * (lane % 4) + (v % 2) + 8 * (v // 4) - slab * p
+                m_local = 2 * (lane % 4) + (v % 2) + 8 * (v // 4) - 128 * p
                 st_shared_f16_scaled(c_slab + (m_local * 64 + n_local) * 2, acc[v])
             fence_smem_for_async_proxy()
             cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
             if w == 0:
                 for j in cutlass.range_constexpr(rows // self.box_rows):
                     cute.copy(tma_c, tCsC[(None, j, wg)],
-                              tCgC[(None, n0 // 64, (m0 + slab * p) // self.box_rows + j)], tma_desc_ptr=desc_c)
+                              tCgC[(None, n0 // 64, (m0 + 128 * p) // self.box_rows + j)], tma_desc_ptr=desc_c)
                 c_store.producer_commit()
 
     @cute.jit
     def consume_chunk(self, chunk, first, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
                       sfb_off, b_sel):
         state = ring_state(chunk, self.num_stages)
-        per = self.a16_per_chunk
-        quarters = 4 // per  # quarters (32 k) per fp16 A ring entry
-        steps = 2 * quarters  # wgmma k-steps per entry
-        a16_states = [ring_state(chunk * per + e, self.num_a16) for e in range(per)]
+        a16_state = ring_state(chunk, self.num_a16)
         stage_pipe.consumer_wait(state)
         stage_b = smem.b + state.index * self.b_bytes
         sf_b = smem.sf + state.index * self.sf_stage_bytes + self.sfb_in_stage
@@ -3558,25 +3539,20 @@ class Sm90BlockScaledGroupedGemmKernel:
         b_sf = [ld_shared_u32(sf_b + sfb_off + 128 * half) for half in range(2)]
         release_read_stage(stage_pipe, state)
         b_sc = [[scale_to_f16x2(b_sf[r], b_sel + e * 0x11) for e in range(2)] for r in range(2)]
-        a16_pipe.consumer_wait(a16_states[0])
-        # The fp16 A ring entry before this chunk's first, released at t == 1 below once its wgmmas have retired.
-        # A tile's first chunk releases the spare barrier after the ring instead (index num_a16): the tile
-        # before released its last entry after its final wait; a select, not a branch (see consume_tile's NOTES).
+        a16_pipe.consumer_wait(a16_state)
+        # The previous chunk's fp16 A buffer, released at t == 1 below once its wgmmas have retired. A tile's
+        # first chunk releases the spare barrier after the ring instead (index num_a16): the tile before
+        # released its last buffer after its final wait; a select, not a branch (see consume_tile's NOTES).
         prev_state = pipeline.PipelineState(
-            self.num_a16, chunk, first * self.num_a16
-            + (1 - first) * ((chunk * per + self.num_a16 - 1) % self.num_a16), 0)
+            self.num_a16, chunk, first * self.num_a16 + (1 - first) * ((chunk + self.num_a16 - 1) % self.num_a16), 0)
 
         # -- per quarter (32 k = word t of each row): dequantize into the register fragment and issue
         # 2 k-steps of wgmma; a fragment buffer is rewritten two quarters later.
         for t in cutlass.range_constexpr(4):
-            e = t // quarters  # the ring entry this quarter reads
             warpgroup.wait_group(1)
             if t == 1:
-                # every wgmma of the previous entry (the previous chunk's last) has retired: it can be refilled
+                # every wgmma of the previous chunk has retired: its fp16 A buffer can be refilled
                 a16_pipe.consumer_release(prev_state)
-            if t % quarters == 1 and e > 0:
-                # slices: the wgmmas of this chunk's previous slice (quarters t - 3, t - 2) have retired
-                a16_pipe.consumer_release(a16_states[e - 1])
             frag_u32 = cute.recast_tensor(frags[t % 2], cutlass.Uint32)
             o0 = fp4x8_to_f16x2x4(b_words[0][t], b_sc[0][t // 2])
             o1 = fp4x8_to_f16x2x4(b_words[1][t], b_sc[1][t // 2])
@@ -3585,13 +3561,12 @@ class Sm90BlockScaledGroupedGemmKernel:
                 slot = i % 2
                 frag_u32[4 * step + 2 * slot] = o0[i]
                 frag_u32[4 * step + 2 * slot + 1] = o1[i]
-            if t % quarters == 0 and e > 0:
-                a16_pipe.consumer_wait(a16_states[e])  # after the conversion: it overlaps the entry's arrival
             warpgroup.fence()
             for step in cutlass.range_constexpr(2):
                 cute.gemm(tiled_mma, acc, frags[t % 2][(None, None, step)],
-                          tCrB[(None, None, (2 * t + step) % steps, a16_states[e].index)], acc)
+                          tCrB[(None, None, 2 * t + step, a16_state.index)], acc)
             warpgroup.commit_group()
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Compile cache

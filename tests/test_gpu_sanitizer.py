@@ -56,5 +56,7 @@ def test_sanitizer_clean(tool):
         r"ERROR SUMMARY: (\d+) error"
     summary = re.search(pattern, log)
     assert summary is not None, f"no sanitizer summary (rc {proc.returncode}):\n{tail}"
+    # the summary line, for the report (`pytest -rA` or `-s` shows it)
+    print(f"{tool}: " + next(line.strip() for line in log.splitlines() if summary.group(0) in line))
     assert all(int(n) == 0 for n in summary.groups()), tail
     assert proc.returncode == 0, tail
