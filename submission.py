@@ -2607,11 +2607,12 @@ def fp4x8_to_f16x2x4(word, scale_f16x2, *, loc=None, ip=None):
     e2m1 value * 2^-14 (the e = 0 case is an fp16 subnormal); times scale * 2^7 (exact).
 
     Byte-wise (11 integer instructions + 4 multiplies per word, was 15 + 4): each byte's high nibble
-    (u = word & 0xF0..) already has its sign at the byte's bit 7, and u >> 3 brings its magnitude to bits 1-3
-    (u's own bits 1-3 are zero, and u >> 3 is zero at bit 7), so (u | u >> 3) masked with 0x8E per byte (one lop3,
-    (a | b) & c) is that nibble's fp16 high byte; the low nibbles (w = word & 0x0F..) get the same from w << 4 | w << 1.
-    Bytes 1 and 3 are the high bytes of the two fp16 halves as they stand (registers 2, 3); bytes 0 and 2
-    move up by 8 (registers 0, 1)."""
+    (u = word & 0xF0..) already has its sign at the byte's bit 7, and u >> 3 brings its magnitude to bits
+    1-3 (u's own bits 1-3 are zero, and u >> 3 is zero at bit 7), so (u | u >> 3) masked with 0x8E per byte
+    (one lop3, (a | b) & c) is that nibble's fp16 high byte; the low nibbles (w = word & 0x0F..) get the
+    same from w << 4 | w << 1. Bytes 1 and 3 are the high bytes of the two fp16 halves as they stand
+    (registers 2, 3); bytes 0 and 2 move up by 8 (registers 0, 1). H200: 3-8 % faster (docs/HOPPER_NOTES.md
+    v18)."""
     r = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_u32(word, loc, ip), _u32(scale_f16x2, loc, ip)],
              "{\n.reg .b32 u, t, w, a, h;\n"
              "and.b32 u, $4, 0xF0F0F0F0;\nshr.b32 t, u, 3;\n"
