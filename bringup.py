@@ -11,7 +11,7 @@ bringup (needs a B200, or an H100/H200 for the Hopper tiles):
 1. prints the environment (GPU, compute capability, driver, nvidia-cutlass-dsl, torch, Python, launch path,
    programmatic dependent launch);
 2. builds and checks every kernel variant (B200: submission.KERNEL_VARIANTS, "persistent" choosing its tile
-   per problem, the persistent_n* variants forcing one tile row; Hopper: submission.SM90_VARIANTS), in
+   per problem, the persistent_n* variants forcing one tile row; Hopper: submission_sm90.SM90_VARIANTS), in
    parallel worker processes (--jobs, by default one per core within the build units and the available
    memory): each variant's kernels, one build unit per group count its cases and benchmarks need, are split
    over shards; a shard's worker first builds its units' kernels (compiled, not launched:
@@ -149,8 +149,10 @@ def file_rule_problems(text: str) -> list:
 # export: submission.py with another default variant (one marked line changed)
 # ---------------------------------------------------------------------------------------------------------
 MARKER_COMMENT = "# eval.py export --variant NAME rewrites this line"
-# Which line holds the default for a variant of each kind.
+# Which line holds the default for a variant of each kind, in which file. Only the B200 one is in the
+# leaderboard file, so only it is marked for export; the Hopper default is edited in its own module.
 DEFAULT_LINE_NAMES = {"b200": "DEFAULT_KERNEL_VARIANT", "sm90": "DEFAULT_SM90_VARIANT"}
+DEFAULT_LINE_FILES = {"b200": "submission.py", "sm90": "submission_sm90.py"}
 
 
 class ExportError(ValueError):
@@ -158,15 +160,19 @@ class ExportError(ValueError):
 
 
 def default_line(kind: str, variant: str) -> str:
-    """The marked line of submission.py that makes `variant` the default of its kind ("b200" or "sm90")."""
-    return f'{DEFAULT_LINE_NAMES[kind]} = "{variant}"  {MARKER_COMMENT}'
+    """The line of DEFAULT_LINE_FILES[kind] that makes `variant` the default of its kind ("b200": the marked
+    line of submission.py; "sm90": submission_sm90.py's)."""
+    line = f'{DEFAULT_LINE_NAMES[kind]} = "{variant}"'
+    return f"{line}  {MARKER_COMMENT}" if kind == "b200" else line
 
 
 def variant_kind(variant: str, b200_variants, sm90_variants) -> str:
     if variant in b200_variants:
         return "b200"
     if variant in sm90_variants:
-        return "sm90"
+        raise ExportError(f"{variant!r} is a Hopper variant: the leaderboard file (submission.py) holds the B200 "
+                          f"kernels only; the Hopper default is the {DEFAULT_LINE_NAMES['sm90']} line of "
+                          f"{DEFAULT_LINE_FILES['sm90']}")
     raise ExportError(f"unknown variant {variant!r}; choose one of {', '.join((*b200_variants, *sm90_variants))}")
 
 
@@ -202,19 +208,20 @@ def export_main(argv: list) -> int:
     parser = harness.OneLineArgumentParser(prog="eval.py export",
                             description="Write a copy of submission.py whose default kernel variant is NAME.")
     parser.add_argument("--variant", required=True, metavar="NAME",
-                        help="a B200 variant (submission.KERNEL_VARIANTS) or a Hopper one (SM90_VARIANTS)")
+                        help="a B200 variant (submission.KERNEL_VARIANTS): the leaderboard file's default")
     parser.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the copy")
     args, status = _parse(parser, argv)
     if args is None:
         return status
     try:
         import submission
+        import submission_sm90
     except Exception as err:
         print(f"eval.py export: cannot import submission.py: {first_line(err)}", file=sys.stderr)
         return 2
     try:
         text = export_text(SUBMISSION.read_text(), args.variant, submission.KERNEL_VARIANTS,
-                           getattr(submission, "SM90_VARIANTS", ()))
+                           submission_sm90.SM90_VARIANTS)
     except ExportError as err:
         print(f"eval.py export: {err}", file=sys.stderr)
         return 2
@@ -223,7 +230,7 @@ def export_main(argv: list) -> int:
     except OSError as err:
         print(f"eval.py export: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
         return 2
-    kind = variant_kind(args.variant, submission.KERNEL_VARIANTS, getattr(submission, "SM90_VARIANTS", ()))
+    kind = variant_kind(args.variant, submission.KERNEL_VARIANTS, submission_sm90.SM90_VARIANTS)
     print(f"wrote {args.output}: submission.py with the line {default_line(kind, args.variant)!r}")
     return 0
 
@@ -321,9 +328,10 @@ def job_hello() -> dict:
     import torch
 
     import submission
+    import submission_sm90
 
     return dict(pid=os.getpid(), kernel_variant=submission.KERNEL_VARIANT,
-                sm90_variant=getattr(submission, "SM90_VARIANT", None), launch_path=submission.LAUNCH_PATH,
+                sm90_variant=submission_sm90.SM90_VARIANT, launch_path=submission.LAUNCH_PATH,
                 pdl=submission.USE_PDL, dsl=submission.DSL_VERSION, device=torch.cuda.get_device_name(),
                 capability=list(torch.cuda.get_device_capability()))
 
@@ -956,8 +964,9 @@ def recommend(results: dict, bench_labels: list, kind: str, default_variant: str
     best = min(candidates, key=lambda name: geos[name])
     rec.update(variant=best, geomean_us=geos[best], is_default=best == default_variant,
                line_before=default_line(kind, default_variant), line_after=default_line(kind, best),
-               export_command=f"python eval.py export --variant {best} -o sub_{best}.py")
+               export_command=None)
     if kind == "b200":
+        rec["export_command"] = f"python eval.py export --variant {best} -o sub_{best}.py"
         rec["submit_command"] = (f"popcorn-cli submit --leaderboard nvfp4_group_gemm --gpu B200 --mode test "
                                  f"sub_{best}.py")
     return rec
@@ -976,12 +985,13 @@ def format_recommendation(rec: dict) -> str:
     elif rec.get("default_verdict"):
         head += f"; the default {default}: {rec['default_verdict'].upper()}"
     lines = [head + ")",
-             "  to make it the default, change this one line of submission.py:",
+             f"  to make it the default, change this one line of {DEFAULT_LINE_FILES[rec['kind']]}:",
              f"    - {rec['line_before']}",
-             f"    + {rec['line_after']}",
-             f"  or write that copy: {rec['export_command']}"]
+             f"    + {rec['line_after']}"]
+    if rec["export_command"]:
+        lines.append(f"  or write that copy: {rec['export_command']}")
     if rec["kind"] == "sm90":
-        lines.append("  (a Hopper tile choice: the B200 kernels, which the leaderboard runs, ignore this line)")
+        lines.append("  (a Hopper tile choice: the leaderboard file, submission.py, does not hold it)")
     return "\n".join(lines)
 
 
@@ -1162,9 +1172,10 @@ def bringup_main(argv: list) -> int:
     try:
         import reference
         import submission
+        import submission_sm90
     except Exception as err:
         return harness.usage_error(prog, f"cannot import the submission: {first_line(err)}")
-    arch_names = {"b200": tuple(submission.KERNEL_VARIANTS), "sm90": tuple(submission.SM90_VARIANTS)}
+    arch_names = {"b200": tuple(submission.KERNEL_VARIANTS), "sm90": tuple(submission_sm90.SM90_VARIANTS)}
     chosen = None
     if args.variants is not None:
         chosen = [v for v in args.variants.split(",") if v]
@@ -1191,7 +1202,7 @@ def bringup_main(argv: list) -> int:
                                          "(B200) and 9.0 (Hopper) only")
     names = arch_names[kind]
     variable = "NVFP4_KERNEL_VARIANT" if kind == "b200" else "NVFP4_SM90_VARIANT"
-    default = submission.DEFAULT_KERNEL_VARIANT if kind == "b200" else submission.DEFAULT_SM90_VARIANT
+    default = submission.DEFAULT_KERNEL_VARIANT if kind == "b200" else submission_sm90.DEFAULT_SM90_VARIANT
     if chosen is not None:
         other = [v for v in chosen if v not in names]
         if other:
@@ -1219,7 +1230,7 @@ def bringup_main(argv: list) -> int:
                          for b in benchmarks}
             predicted = {label: us for label, us in predicted.items() if us is not None}
         else:
-            config = submission.SM90_VARIANT_CONFIGS.get(name)  # None: sm90_auto
+            config = submission_sm90.SM90_VARIANT_CONFIGS.get(name)  # None: sm90_auto
             tile_n = config.tile_mn[1] if config else None
             selected, predicted = ("sm90_variant", name), {}
         plans.append(dict(name=name, env={variable: name}, selected=selected, tile_n=tile_n, predicted=predicted,

@@ -431,9 +431,16 @@ class PlannedKernel:
         return f"{self.variant} {self.m_rows or self.tile_mn[0]}x{self.tile_mn[1]} g={self.groups}"
 
 
+def hopper_module():
+    """The module holding the Hopper kernel and its variants (beside submission.py)."""
+    import submission_sm90
+
+    return submission_sm90
+
+
 def arch_variants(submission, arch: str) -> tuple:
     """The variant names of `arch`: what set_variant (sm_100a) or set_sm90_variant (sm_90a) takes."""
-    return tuple(submission.SM90_VARIANTS) if arch.startswith("sm_90") else tuple(submission.KERNEL_VARIANTS)
+    return tuple(hopper_module().SM90_VARIANTS) if arch.startswith("sm_90") else tuple(submission.KERNEL_VARIANTS)
 
 
 def planned_kernel(submission, arch: str, variant: Optional[str], groups: int, sizes=None) -> PlannedKernel:
@@ -443,12 +450,13 @@ def planned_kernel(submission, arch: str, variant: Optional[str], groups: int, s
     sm_100a)."""
     num_sms = COMPILE_NUM_SMS[arch]
     if arch.startswith("sm_90"):
-        named = submission.SM90_VARIANT_CONFIGS
-        chosen = variant or submission.SM90_VARIANT
+        hopper = hopper_module()
+        named = hopper.SM90_VARIANT_CONFIGS
+        chosen = variant or hopper.SM90_VARIANT
         if chosen in named:
             config = named[chosen]
         else:  # per problem, or compile_for's default for a bare group count
-            config = submission.choose_sm90_config(sizes or (), num_sms)
+            config = hopper.choose_sm90_config(sizes or (), num_sms)
     else:
         named = submission.VARIANT_CONFIGS
         chosen = variant or submission.KERNEL_VARIANT
@@ -556,8 +564,8 @@ def compile_main(argv: list[str]) -> int:
         builds[kernel] = build_one(kernel.groups, arch, cuobjdump, kernel.variant)
 
     if arch.startswith("sm_90"):
-        chosen, setter = variant or submission.SM90_VARIANT, "set_sm90_variant"
-        per_problem = chosen not in submission.SM90_VARIANT_CONFIGS
+        chosen, setter = variant or hopper_module().SM90_VARIANT, "set_sm90_variant"
+        per_problem = chosen not in hopper_module().SM90_VARIANT_CONFIGS
     else:
         chosen, setter = variant or submission.KERNEL_VARIANT, "set_variant"
         per_problem = chosen in submission.TILE_TABLE_VARIANTS

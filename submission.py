@@ -37,24 +37,12 @@ docs/B200_DESIGN.md has the design, per-benchmark predictions and what no B200 h
 Nothing above has run on a B200 (none was available to this project): it is checked by building for sm_100a
 and reading the SASS.
 
-How it runs on Hopper (sm_90a, `Sm90BlockScaledGroupedGemmKernel`, checked on an H200): no fp4 tensor cores,
-so both operands are dequantized exactly to fp16 (every e2m1 x e4m3 product is exact in fp16) and multiplied
-by fp16 wgmma with fp32 accumulation. By default (`sm90_auto`: `sm90_a16_mexact`, or `sm90_a16_mexact128`
-where that runs the same plan) one persistent launch per call: first every thread of every CTA writes its
-share of all groups' A as fp16 into the launch's workspace and a grid-wide barrier orders that before any
-fp16 A load (`Sm90GemmConfig.a16_fused`); then the CTAs walk a host-planned work list (`plan_sm90_work`:
-each group's M split into tiles 64-192 rows wide, dealt longest first to the least-loaded CTA; where whole
-tiles are at most one per SM, tiles' K may be split across CTAs instead, `Sm90GemmConfig.split_k`): a
-producer warp TMA-loads fp16 A, the packed fp4 B and its blocked scales, two consumer warpgroups dequantize
-B in registers as the wgmma A operand, run the mainloop compiled for the tile's width, and store C^T tiles
-by TMA (a part of a split tile first meets the other parts' fp32 partials in the workspace:
-`Sm90BlockScaledGroupedGemmKernel.split_fixup`). Barriers and copies are the DSL's pipeline classes and TMA
-atoms, as on Blackwell; inline PTX is left for the operand conversions and hand-addressed shared memory.
-`sm90_tile128` uses 128-row tiles on the round-robin `GroupTileScheduler` and converts A in a transform
-warpgroup of every CTA. Both arches share the host path: constraint check, pointer/size tables, launch
-metadata cache, compile cache, the prepared-call fast path and the launch paths (`LAUNCH_PATH`: by default
-the DSL's ctypes entry with arguments packed once).
-docs/HOPPER_NOTES.md has the design and log.
+On Hopper (sm_90a) the kernel of `submission_sm90.py` runs: the same input and host path, both operands
+dequantized to fp16 for wgmma. It is how this project tests on the GPU it has (an H200); submission.py loads
+it from beside itself on an sm_90 GPU and never needs it on a B200. Each arch is one `KernelBackend` (config
+choice, compile, schedule, launch) behind the shared host path: constraint check, pointer/size tables,
+launch-metadata and compile caches, the prepared-call fast path and the launch paths (`LAUNCH_PATH`: by
+default the DSL's ctypes entry with arguments packed once).
 
 Which GPU queue: every kernel here (table upload, descriptor preparation, GEMM) runs on the legacy default
 queue of the current device, the queue torch calls its default one: the DSL compiles no queue argument into
@@ -71,9 +59,7 @@ How to use it:
     set_variant(name)        one of KERNEL_VARIANTS; custom_kernel uses KERNEL_VARIANT at each call
                              (NVFP4_KERNEL_VARIANT=name in the environment sets it at import; the default is
                              the DEFAULT_KERNEL_VARIANT line, which `eval.py export` rewrites)
-    set_sm90_variant(name)   Hopper: one of SM90_VARIANTS ("sm90_auto": choose_sm90_config's choice, today
-                             M-exact tiles planned per problem; the others force one variant;
-                             NVFP4_SM90_VARIANT=name at import)
+    submission_sm90.set_sm90_variant(name)   Hopper: how the tile is chosen (NVFP4_SM90_VARIANT at import)
     set_launch_path(name)    one of LAUNCH_PATHS ("tvm_ffi", "prepacked", "dsl"; NVFP4_LAUNCH_PATH=name at import)
     set_pdl(on)              programmatic dependent launch of the persistent kernels (default on; NVFP4_PDL=0)
     compile_for(num_groups, arch=None, variant=None)
@@ -89,10 +75,11 @@ import ctypes
 import dataclasses
 import enum
 import functools
-import heapq
 import importlib.metadata
+import importlib.util
 import os
-from collections import OrderedDict, defaultdict, deque
+import sys
+from collections import OrderedDict, deque
 from operator import is_
 from typing import Callable, Optional
 
@@ -103,12 +90,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_utils
-import cutlass.utils.hopper_helpers as sm90_utils
-import cutlass._mlir.dialects.cute as _cute_ir
-import cutlass._mlir.dialects.cute_nvgpu as _cute_nvgpu_ir
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
-from cutlass.cute.nvgpu import cpasync, tcgen05, warpgroup
+from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cute.runtime import make_ptr
 
 from task import input_t, output_t
@@ -126,7 +108,6 @@ except ImportError:  # 4.3
     from cutlass.utils import LayoutEnum, TensorMapManager, TensorMapUpdateMode
 
 DSL_VERSION = importlib.metadata.version("nvidia-cutlass-dsl")
-_OperandMajorMode = getattr(cute.nvgpu, "OperandMajorMode", None) or warpgroup.OperandMajorMode  # 4.8 / 4.3
 
 
 def fence_smem_for_async_proxy():
@@ -394,387 +375,18 @@ KERNEL_VARIANTS = tuple(VARIANT_CONFIGS)
 # the environment; the leaderboard runner never sets it.
 DEFAULT_KERNEL_VARIANT = "persistent"  # eval.py export --variant NAME rewrites this line
 KERNEL_VARIANT = _choice_from_env("NVFP4_KERNEL_VARIANT", DEFAULT_KERNEL_VARIANT, KERNEL_VARIANTS)
+# Every Hopper variant's name starts so (submission_sm90.SM90_VARIANTS): set_variant names the right setter.
+SM90_VARIANT_PREFIX = "sm90_"
 
 
 def set_variant(name: str) -> None:
     """Select the kernel custom_kernel launches from now on (one of KERNEL_VARIANTS)."""
     global KERNEL_VARIANT
-    if isinstance(name, str) and name in SM90_VARIANTS:
-        raise ValueError(f"{name!r} is a Hopper variant: use set_sm90_variant({name!r}); set_variant takes a B200 "
-                         f"kernel variant, one of {', '.join(KERNEL_VARIANTS)}")
+    if isinstance(name, str) and name.startswith(SM90_VARIANT_PREFIX):
+        raise ValueError(f"{name!r} is a Hopper variant: use submission_sm90.set_sm90_variant({name!r}); set_variant "
+                         f"takes a B200 kernel variant, one of {', '.join(KERNEL_VARIANTS)}")
     _check_setter_name("set_variant", "kernel variant", name, KERNEL_VARIANTS)
     KERNEL_VARIANT = name
-
-
-# M-exact Hopper tiles (Sm90GemmConfig.m_exact): the widths a tile's A rows (the wgmma N) can take. Each
-# width is its own compiled mainloop, chosen per tile at run time; 192 is the widest whose three fp16 A
-# buffers (48 KB each) fit in shared memory beside the B stages and the epilogue slabs. A kernel built for
-# widths up to 128 (Sm90GemmConfig.max_width) fits four 32 KB buffers instead: a deeper A prefetch.
-# NOTES: five widths, not six: with a sixth mainloop (32) ptxas serializes every wgmma of the kernel
-# ("insufficient register resources", C7512; tests/test_build.py checks the SASS for it).
-SM90_WIDTHS = (64, 96, 128, 160, 192)
-# Cost of one 128-k chunk of an M-exact tile, in rows of MMA: its W rows plus the B conversion and
-# pipeline work that does not shrink with W (H200: a 128-row a16 chunk took 0.86 us, 0.67 us of it MMA).
-SM90_CHUNK_OVERHEAD_ROWS = 36
-# Cost of starting and finishing a tile (first loads, epilogue), in the same unit (about 1.5 us).
-SM90_TILE_OVERHEAD = 300
-
-
-@dataclasses.dataclass(frozen=True)
-class Sm90GemmConfig:
-    """Compile-time configuration of `Sm90BlockScaledGroupedGemmKernel` (everything baked in but G).
-
-    A tile is 128 rows of B (two consumer warpgroups x 64, the wgmma M) by 128 rows of A, or (m_exact) by one
-    of SM90_WIDTHS. (Tiles of 256 rows of B lost on every benchmark and are retired: docs/HOPPER_NOTES.md.)
-    num_stages: depth of the fp4 + scale ring (0: 4).
-    a16_prepass: A (the small operand) is converted to fp16 once per call into the launch's workspace (in the
-      GEMM's own launch, or by `Sm90AConvertKernel`: a16_fused), and the GEMM TMA-loads it (no transform
-      warpgroup work); False: the transform warpgroup converts A in every CTA that needs it (once per N tile).
-    a16_fused: with a16_prepass, the conversion is the first phase of the GEMM's own launch (every CTA converts
-      its share, then a grid-wide barrier, `sm90_grid_arrive_and_wait`, orders it before the first fp16 A
-      load): one launch per call, host cost per cached call that of a single-launch variant (H200: 5.3 vs
-      10.0 us for two launches, 5.0 for `sm90_tile128`). False: `Sm90AConvertKernel` runs as a launch of its
-      own before the GEMM; kept as the measured comparison (on the GPU it was 0.7 / 1.4 % faster on bench0 /
-      bench2 and 1.9 / 3.3 % slower on bench1 / bench3: docs/HOPPER_NOTES.md v16), tested on the GPU.
-    m_exact: M-exact tiles (with a16_prepass): a tile covers one M split of a group, as wide as the
-      split rounded up to one of SM90_WIDTHS (the wgmma N), so a group of M <= 192 is one tile row and B is
-      converted once per split instead of once per 128 rows; the host plans the splits and a cost-balanced
-      work list per CTA (`plan_sm90_work`) instead of the round-robin `GroupTileScheduler`.
-    max_width: m_exact only: the widest tile (one of SM90_WIDTHS; the plan splits groups so that none is wider).
-      The fp16 A buffers are this many rows, so a narrower maximum leaves room for more of them
-      (`Sm90BlockScaledGroupedGemmKernel.num_a16`).
-    split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
-      (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
-      the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
-    """
-
-    num_stages: int = 0
-    use_pdl: bool = USE_PDL  # programmatic dependent launch
-    a16_prepass: bool = False
-    a16_fused: bool = True
-    m_exact: bool = False
-    max_width: int = SM90_WIDTHS[-1]
-    split_k: bool = True
-
-    def __post_init__(self):
-        if self.m_exact != self.a16_prepass:
-            raise ValueError("Sm90GemmConfig: m_exact and a16_prepass go together (the M-exact tiles load fp16 A; "
-                             "128-row tiles convert A in the kernel)")
-        if self.max_width not in SM90_WIDTHS or (self.max_width != SM90_WIDTHS[-1] and not self.m_exact):
-            raise ValueError(f"Sm90GemmConfig.max_width={self.max_width}: one of {SM90_WIDTHS}, and only with m_exact")
-
-    @property
-    def widths(self) -> tuple:
-        """m_exact: the tile widths the kernel is built for (`sm90_widths`); else the one width, 128."""
-        return sm90_widths(self.max_width) if self.m_exact else (128,)
-
-    @property
-    def tile_mn(self) -> tuple:
-        """(rows of A, rows of B) of a tile; m_exact: the widest of its per-group widths."""
-        return (self.widths[-1], 128)
-
-
-# Hopper's kernels by name. custom_kernel picks one per problem (choose_sm90_config); compile_for and the
-# tests can name one.
-SM90_VARIANT_CONFIGS = {
-    "sm90_tile128": Sm90GemmConfig(),
-    "sm90_a16_mexact": Sm90GemmConfig(a16_prepass=True, m_exact=True),
-    "sm90_a16_mexact128": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=128),
-}
-
-
-def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
-    """M-exact tiles with A converted once per call, for every problem: on the H200 they were faster than or
-    level with every other variant on each benchmark (docs/HOPPER_NOTES.md v11); their plan
-    (`plan_sm90_work`) already weighs tile widths and split-K against filling the SMs. The build for widths
-    up to 128 (`sm90_a16_mexact128`, one fp16 A buffer more) where the widest build's plan has no wider tile,
-    so both run the very same plan (bench3: 2.0 % faster on the H200, v17); else `sm90_a16_mexact` (bench2,
-    whose split-K plan takes 160-row tiles: 11 % slower at 128; bench0 / bench1, not measured at 128).
-    No sizes (`compile_for`): `sm90_a16_mexact`."""
-    sizes = tuple(tuple(size) for size in problem_sizes if size[0] != 0)
-    return _choose_sm90_config(sizes, num_sms)
-
-
-@functools.lru_cache(maxsize=256)
-def _choose_sm90_config(sizes: tuple, num_sms: int) -> Sm90GemmConfig:
-    """`choose_sm90_config` once per problem shape (comparing two plans is O(tiles))."""
-    wide, narrow = SM90_VARIANT_CONFIGS["sm90_a16_mexact"], SM90_VARIANT_CONFIGS["sm90_a16_mexact128"]
-    if sizes and (plan_sm90_work(sizes, num_sms, narrow.max_width, narrow.split_k)
-                  == plan_sm90_work(sizes, num_sms, wide.max_width, wide.split_k)):
-        return narrow
-    return wide
-
-
-@dataclasses.dataclass(frozen=True)
-class Sm90WorkPlan:
-    """The M-exact kernel's schedule for one problem: how each group's M is split, and which tiles (or, with
-    split-K, K ranges of tiles: parts) each CTA runs (`plan_sm90_work`). `words()` is its device form, what
-    the kernel reads."""
-
-    splits: tuple  # per group: (number of M splits, width of each: one of SM90_WIDTHS)
-    # per CTA: its parts in order, each SM90_PART_WORDS words: (group, first row, width index, N tile, first
-    # 128-k chunk, chunks, split tile index or -1 for a whole tile, part | parts << 8 | first slot << 16)
-    cta_tiles: tuple
-    makespan: float  # the busiest CTA's cost (SM90 cost units)
-    num_split_tiles: int = 0  # tiles whose K is split over several parts (split-K); each has one counter
-    num_slots: int = 0  # fp32 partial-accumulator slots: one per part of a split tile
-
-    @property
-    def num_tiles(self) -> int:
-        """Parts in the plan (a whole tile is one part)."""
-        return sum(len(tiles) for tiles in self.cta_tiles)
-
-    def words(self, partials_kb: int = 0) -> list:
-        """int32 words: a header of SM90_PART_WORDS-word rows (the partial slots' workspace offset in KB, then
-        the CTAs' first-part offsets, grid + 1 of them), then SM90_PART_WORDS words per part, each CTA's
-        parts contiguous."""
-        offsets, total = [], 0
-        for tiles in self.cta_tiles:
-            offsets.append(total)
-            total += len(tiles)
-        offsets.append(total)
-        header = [partials_kb] + offsets
-        header += [0] * (-len(header) % SM90_PART_WORDS)
-        # the chunks word carries a split part's flag in bit 16 (`SM90_SPLIT_FLAG`): the kernel keeps only
-        # that word live across a part's mainloop
-        return header + [word | (SM90_SPLIT_FLAG if i == 5 and tile[6] >= 0 else 0)
-                         for tiles in self.cta_tiles for tile in tiles for i, word in enumerate(tile)]
-
-
-# Words per part in the Hopper work list (`Sm90WorkPlan.cta_tiles`), and the flag of a split part in its
-# chunks word.
-SM90_PART_WORDS = 8
-SM90_SPLIT_FLAG = 1 << 16
-# Split-K: a part of a split tile writes its fp32 partial accumulator to a slot, and the last part to finish
-# reads all of the tile's slots back and stores the tile: cost per part, in cost units per row of A (the
-# write, and its share of the read, of 512 bytes per row of A; a first estimate, for the H200 to settle).
-SM90_SPLIT_COST_PER_ROW = 1.5
-# Split-K: no part shorter than this many 128-k chunks (a part costs a tile's start and finish).
-SM90_MIN_PART_CHUNKS = 2
-# Split-K: at most this many split tiles (one arrival counter each per consumer warpgroup in the workspace),
-# and parts per tile (the last part reads them all back: its fix-up grows with their number).
-SM90_MAX_SPLIT_TILES = 1024
-SM90_MAX_PARTS = 4
-# Split-K is planned where whole tiles are at most one per SM (the whole-tile plan leaves SMs idle for the
-# whole call: bench2, 120 tiles of 32 chunks on 132 SMs, measured 10 % faster with it) and taken where it
-# predicts a makespan this much shorter. NOTES: with more tiles per SM it measured slower than predicted
-# (bench0, 2.2 tiles per SM: 3 % slower instead of 9 % faster; docs/HOPPER_NOTES.md v17), so it is not tried.
-SM90_SPLIT_K_GAIN = 0.97
-
-
-def sm90_tile_cost(width: int, k: int) -> float:
-    return (k // 128) * (width + SM90_CHUNK_OVERHEAD_ROWS) + SM90_TILE_OVERHEAD
-
-
-def sm90_part_cost(width: int, chunks: int, split: bool) -> float:
-    """Cost of one part: `chunks` 128-k chunks of a tile of `width` rows, plus the fix-up share if split."""
-    return (chunks * (width + SM90_CHUNK_OVERHEAD_ROWS) + SM90_TILE_OVERHEAD
-            + (SM90_SPLIT_COST_PER_ROW * width if split else 0))
-
-
-def sm90_widths(max_width: int) -> tuple:
-    """The M-exact widths up to `max_width`: a prefix of SM90_WIDTHS, so a tile's width index is the same in
-    both (the work list's words, the kernel's per-width mainloops)."""
-    return tuple(w for w in SM90_WIDTHS if w <= max_width)
-
-
-def _sm90_split_width(m: int, splits: int) -> int:
-    """The narrowest width of SM90_WIDTHS that `splits` tiles of M rows need (splits >= M / the widest)."""
-    return next(w for w in SM90_WIDTHS if w * splits >= m)
-
-
-def _sm90_makespan(problem_sizes, splits: list, num_sms: int) -> float:
-    """The predicted makespan of `splits`: the longest-first assignment's own where tiles are few per CTA
-    (there whole tiles decide it), else the load bound max(mean load, largest tile), which that assignment
-    meets to within one tile and which costs O(G) instead of a simulation of every tile."""
-    count, total, largest = 0, 0.0, 0.0
-    for (m, n, k, _), s in zip(problem_sizes, splits):
-        cost = sm90_tile_cost(_sm90_split_width(m, s), k)
-        count += s * (n // 128)
-        total += s * (n // 128) * cost
-        largest = max(largest, cost)
-    grid = min(num_sms, count)
-    if count > SM90_SIMULATED_TILES_PER_CTA * grid:
-        return max(total / grid, largest)
-    return _sm90_assign(problem_sizes, splits, num_sms)[0]
-
-
-# Up to this many tiles per CTA the plan search simulates the assignment (`_sm90_makespan`).
-SM90_SIMULATED_TILES_PER_CTA = 8
-
-
-def _sm90_group_widths(problem_sizes, splits: list) -> tuple:
-    """`Sm90WorkPlan.splits` of `splits`: per group (number of M splits, width of each)."""
-    return tuple((s, _sm90_split_width(m, s)) for (m, _, _, _), s in zip(problem_sizes, splits))
-
-
-def _sm90_tiles(problem_sizes, splits: list) -> list:
-    """Every tile of `splits`: (group, first row, width, N tile), in group, M split, N tile order."""
-    tiles = []
-    for g, ((m, n, _, _), s) in enumerate(zip(problem_sizes, splits)):
-        width = _sm90_split_width(m, s)
-        tiles += [(g, i * width, width, nt) for i in range(s) for nt in range(n // 128)]
-    return tiles
-
-
-def _sm90_assign(problem_sizes, splits: list, num_sms: int) -> tuple:
-    """Longest-processing-time assignment of every tile to the least loaded CTA: (makespan, per-CTA parts)."""
-    tiles = [(sm90_tile_cost(w, problem_sizes[g][2]), g, m0, w, nt) for g, m0, w, nt in _sm90_tiles(problem_sizes, splits)]
-    tiles.sort(key=lambda t: -t[0])  # stable: equal costs keep group, split, N order
-    grid = min(num_sms, len(tiles))
-    heap = [(0.0, cta) for cta in range(grid)]
-    per_cta = [[] for _ in range(grid)]
-    for cost, g, m0, w, nt in tiles:
-        load, cta = heapq.heappop(heap)
-        per_cta[cta].append((g, m0, SM90_WIDTHS.index(w), nt, 0, problem_sizes[g][2] // 128, -1, 0))
-        heapq.heappush(heap, (load + cost, cta))
-    return max(load for load, _ in heap), per_cta
-
-
-def _sm90_split_k_fill(tiles: list, chunks: list, limit: float, grid: int):
-    """Deal `tiles` (each `chunks[i]` 128-k chunks) in order onto at most `grid` CTAs of at most `limit`
-    cost each, splitting a tile's K where it does not fit whole: per CTA its parts (tile index, first chunk,
-    chunks), or None where `grid` CTAs do not suffice."""
-    ctas, load = [[]], 0.0
-    for t, ((_, _, width, _), count) in enumerate(zip(tiles, chunks)):
-        k0, parts = 0, 1
-        while k0 < count:
-            rest = count - k0
-            whole = sm90_part_cost(width, rest, k0 > 0)
-            if whole <= limit - load:
-                ctas[-1].append((t, k0, rest))
-                load += whole
-                break
-            take = int((limit - load - sm90_part_cost(width, 0, True)) // (width + SM90_CHUNK_OVERHEAD_ROWS))
-            if parts < SM90_MAX_PARTS and take >= SM90_MIN_PART_CHUNKS and rest - take >= SM90_MIN_PART_CHUNKS:
-                ctas[-1].append((t, k0, take))
-                load += sm90_part_cost(width, take, True)
-                k0, parts = k0 + take, parts + 1
-            elif load == 0.0:
-                return None  # the rest fits no CTA whole and may not be split further
-            if len(ctas) == grid:
-                return None
-            ctas.append([])
-            load = 0.0
-    return ctas
-
-
-def _sm90_split_k(problem_sizes, splits: list, num_sms: int) -> Optional[Sm90WorkPlan]:
-    """Split-K plan of the tiles of `splits`: tiles in order, dealt onto the CTAs as contiguous runs of
-    equal cost (the shortest limit that `_sm90_split_k_fill` meets, by bisection), a tile that does not fit
-    whole split in K across consecutive CTAs. None where nothing is split (then the whole-tile plan is
-    better) or the counters would not suffice."""
-    tiles = _sm90_tiles(problem_sizes, splits)
-    chunks = [problem_sizes[g][2] // 128 for g, _, _, _ in tiles]
-    total = sum(sm90_tile_cost(w, problem_sizes[g][2]) for g, _, w, _ in tiles)
-    grid = min(num_sms, len(tiles) * max(chunks))
-    lo, hi = total / grid, total
-    best = _sm90_split_k_fill(tiles, chunks, hi, grid)
-    for _ in range(24):
-        mid = (lo + hi) / 2
-        ctas = _sm90_split_k_fill(tiles, chunks, mid, grid)
-        if ctas is None:
-            lo = mid
-        else:
-            hi, best = mid, ctas
-    parts_of = defaultdict(list)
-    for b, parts in enumerate(best):
-        for j, (t, _, _) in enumerate(parts):
-            parts_of[t].append((b, j))
-    split = {t: i for i, t in enumerate(t for t in sorted(parts_of) if len(parts_of[t]) > 1)}
-    if not split or len(split) > SM90_MAX_SPLIT_TILES:
-        return None
-    info, slots = {}, 0
-    for t in split:
-        for p, where in enumerate(parts_of[t]):
-            info[where] = p | (len(parts_of[t]) << 8) | (slots << 16)
-        slots += len(parts_of[t])
-    cta_tiles, makespan = [], 0.0
-    for b, parts in enumerate(best):
-        row, load = [], 0.0
-        for j, (t, k0, count) in enumerate(parts):
-            g, m0, width, nt = tiles[t]
-            s = split.get(t, -1)
-            row.append((g, m0, SM90_WIDTHS.index(width), nt, k0, count, s, info.get((b, j), 0)))
-            load += sm90_part_cost(width, count, s >= 0)
-        cta_tiles.append(tuple(row))
-        makespan = max(makespan, load)
-    return Sm90WorkPlan(_sm90_group_widths(problem_sizes, splits), tuple(cta_tiles), makespan, len(split), slots)
-
-
-@functools.lru_cache(maxsize=256)
-def plan_sm90_work(problem_sizes: tuple, num_sms: int, max_width: int = SM90_WIDTHS[-1],
-                   split_k: bool = True) -> Sm90WorkPlan:
-    """M splits and a balanced work list for the M-exact Hopper kernel (host side, once per problem shape).
-
-    Whole tiles: start from the best of "every group split into the fewest tiles of at most `cap` rows" over
-    each cap in SM90_WIDTHS up to `max_width` (the kernel's widest tile, `Sm90GemmConfig.max_width`); then,
-    greedily, the group whose extra split lowers the predicted makespan (`_sm90_makespan`) most gets one,
-    while that gains more than 1 %. More splits fill more SMs but convert B once more per split and pad more
-    rows. Tiles go to CTAs longest first, each to the least loaded (`_sm90_assign`), so uneven widths still
-    balance. Host cost: ~5 ms for the benchmarks, ~0.1 s for 128 groups of up to 3000 rows (66k tiles).
-
-    Split-K (`split_k`, where whole tiles are at most one per SM): for each cap, the fewest splits' tiles dealt as
-    equal-cost runs with tiles split in K across CTAs (`_sm90_split_k`); splitting K converts no B twice, so
-    the widest tiles can fill the SMs. Taken where its predicted makespan, fix-up included, beats the
-    whole-tile plan's by 3 %.
-    """
-    starts = []
-    for cap in sm90_widths(max_width):
-        splits = [ceil_div(m, cap) for m, _, _, _ in problem_sizes]
-        starts.append((_sm90_makespan(problem_sizes, splits, num_sms), splits))
-    best, splits = min(starts, key=lambda t: t[0])
-    while True:
-        trials = []
-        for g, (m, _, _, _) in enumerate(problem_sizes):
-            s = splits[g] + 1
-            if _sm90_split_width(m, s) < _sm90_split_width(m, splits[g]):
-                trial = splits[:g] + [s] + splits[g + 1:]
-                trials.append((_sm90_makespan(problem_sizes, trial, num_sms), trial))
-        if not trials:
-            break
-        makespan, trial = min(trials, key=lambda t: t[0])
-        if makespan > 0.99 * best:
-            break
-        best, splits = makespan, trial
-    makespan, per_cta = _sm90_assign(problem_sizes, splits, num_sms)
-    plan = Sm90WorkPlan(_sm90_group_widths(problem_sizes, splits), tuple(tuple(tiles) for tiles in per_cta),
-                        makespan)
-    if split_k and plan.num_tiles <= num_sms:
-        for _, cap_splits in starts:  # each cap's fewest splits
-            other = _sm90_split_k(problem_sizes, cap_splits, num_sms)
-            if other is not None and other.makespan < SM90_SPLIT_K_GAIN * plan.makespan:
-                plan = other
-    return plan
-
-
-@functools.lru_cache(maxsize=64)
-def sm90_work_list(problem_sizes: tuple, num_sms: int, max_width: int, split_k: bool,
-                   device: torch.device) -> torch.Tensor:
-    """`plan_sm90_work`'s words as a device int32 tensor, made once per problem shape, widest tile, plan kind
-    and device (an ordinary copy, which waits for the device: only the first call of a new problem shape pays
-    it)."""
-    plan = plan_sm90_work(problem_sizes, num_sms, max_width, split_k)
-    partials_kb = Sm90BlockScaledGroupedGemmKernel.partials_offset(problem_sizes) // 1024 if plan.num_slots else 0
-    return torch.tensor(plan.words(partials_kb), dtype=torch.int32, device=device)
-
-
-# How custom_kernel picks its Hopper kernel: "sm90_auto" per problem (choose_sm90_config), or one entry of
-# SM90_VARIANT_CONFIGS forced (eval.py bringup runs each). Part of the prepared-call key, as KERNEL_VARIANT
-# is; NVFP4_SM90_VARIANT=name at import, set_sm90_variant(name) at run time; no effect on a B200.
-SM90_VARIANTS = ("sm90_auto", *SM90_VARIANT_CONFIGS)
-DEFAULT_SM90_VARIANT = "sm90_auto"  # eval.py export --variant NAME rewrites this line
-SM90_VARIANT = _choice_from_env("NVFP4_SM90_VARIANT", DEFAULT_SM90_VARIANT, SM90_VARIANTS)
-
-
-def set_sm90_variant(name: str) -> None:
-    """Select how custom_kernel picks its Hopper tile from now on (one of SM90_VARIANTS)."""
-    global SM90_VARIANT
-    if isinstance(name, str) and name in KERNEL_VARIANTS:
-        raise ValueError(f"{name!r} is a B200 kernel variant: use set_variant({name!r}); set_sm90_variant takes a "
-                         f"Hopper variant, one of {', '.join(SM90_VARIANTS)}")
-    _check_setter_name("set_sm90_variant", "Hopper variant", name, SM90_VARIANTS)
-    SM90_VARIANT = name
 
 
 # B200 model behind the tile table (docs/B200_DESIGN.md, section 4; unverified until measured on a B200).
@@ -2476,1097 +2088,140 @@ class GroupTensormapKernel:
             prepare_workspace(tensormaps, group)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Hopper device helpers: pipeline states, and inline PTX for the operand conversions and shared-memory
-# accesses (the data path; barriers and TMA use the DSL's pipeline classes and copy atoms)
-# ---------------------------------------------------------------------------------------------------
-
-
-def _asm(res_type, args, ptx, constraints, side_effects, loc, ip):
-    return llvm.inline_asm(res_type, args, ptx, constraints, has_side_effects=side_effects,
-                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-def _i32(x, loc, ip):
-    return cutlass.Int32(x).ir_value(loc=loc, ip=ip)
-
-
-def _u32(x, loc, ip):
-    return cutlass.Uint32(x).ir_value(loc=loc, ip=ip)
-
-
-def _i64(x, loc, ip):
-    return cutlass.Int64(x).ir_value(loc=loc, ip=ip)
-
-
-def ring_state(n, stages: int, producer: bool = False):
-    """The pipeline state of the n-th use of a ring of `stages` buffers, computed rather than carried (every
-    role counts the chunks it has passed): buffer n % stages, phase (n / stages) % 2, the producer's flipped
-    (its first pass finds every buffer empty)."""
-    phase = (n // stages) % 2
-    return pipeline.PipelineState(stages, n, n % stages, phase ^ 1 if producer else phase)
-
-
-def release_read_stage(pipe, state):
-    """Releases a stage of the TMA pipeline `pipe` from every thread that read it with plain shared-memory
-    loads: each thread arrives on the stage's empty barrier, which counts threads (the Hopper kernel's
-    stage ring is created so).
-
-    NOTES: the DSL's `consumer_release` arrives from lane 0 of each warp only. Then nothing in the memory
-    model orders lane 1's load of a scale word before the producer's next bulk copy into that stage, and
-    compute-sanitizer's racecheck reported exactly that write-after-read hazard (multi-group runs, once the
-    ring wraps). A warp sync first would order it, but ptxas drops the WARPSYNC of a converged warp, so the
-    tool cannot see it. A warp's 32 arrivals issue as one instruction, yet the kernel measured 0-2 % slower
-    with them than with lane 0's alone (H200; docs/HOPPER_NOTES.md v16)."""
-    pipe.sync_object_empty.arrive(state.index, None)
-
-
-def with_tx_count(pipe, tx_count: int):
-    """The TMA pipeline `pipe` expecting `tx_count` bytes per stage instead of its own, on the same barriers
-    (the Hopper M-exact kernel's fp16 A ring: a tile of each width loads its own byte count)."""
-    full = pipe.sync_object_full.recast_to_new_op_type(pipe.sync_object_full.op_type)
-    full.tx_count = tx_count
-    return dataclasses.replace(pipe, sync_object_full=full)
-
-
-def byte_tensor(address, num_bytes: int, gmem: bool = False):
-    """`num_bytes` bytes at `address` (shared memory, or global memory with gmem=True) as a tensor, for a
-    bulk copy (16-byte aligned)."""
-    space = cute.AddressSpace.gmem if gmem else cute.AddressSpace.smem
-    return cute.make_tensor(cute.make_ptr(cutlass.Uint8, address, space, assumed_align=16),
-                            cute.make_layout((num_bytes,)))
-
-
+# ---------------------------------------------------------------------------------------------------------
+# Arch backends: what each GPU arch plugs into the shared host path
+# ---------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class Sm90SharedAddresses:
-    """Shared-memory base addresses of the Hopper kernel's buffers, for the hand-addressed loads and stores
-    (the operand conversions read B, A and the scales; the epilogue writes the C^T slabs)."""
+class GemmSchedule:
+    """How one GEMM launch covers a problem: what its launch metadata holds besides the tables."""
 
-    b: object
-    a: object
-    sf: object
-    a16: object
-    c: object
-
-
-@dsl_user_op
-def ld_shared_u32(addr, *, loc=None, ip=None):
-    r = _asm(T.i32(), [_i32(addr, loc, ip)], "ld.shared.b32 $0, [$1];", "=r,r,~{memory}", True, loc, ip)
-    return cutlass.Uint32(r)
+    num_tiles: int
+    num_ctas: int
+    workspace_bytes: int  # descriptors (and the arch's own scratch) the launch's workspace holds
+    counts: tuple  # the GEMM's launch ints after the three table addresses
+    work_list: Optional[torch.Tensor] = None  # a device work list the GEMM reads (its address is in counts)
+    prepass_counts: tuple = ()  # a prepass launch's ints after the table addresses; () when there is none
 
 
-def _load_v4(ptx: str, addr, elem, reg: str, addr_reg: str, side_effects: bool, loc, ip) -> list:
-    """An inline-PTX load of four `elem` values ($0-$3) from `addr` ($4): the four values, as MLIR values."""
-    constraints = ",".join([f"={reg}"] * 4 + [addr_reg]) + (",~{memory}" if side_effects else "")
-    r = _asm(llvm.StructType.get_literal([elem] * 4), [addr], ptx, constraints, side_effects, loc, ip)
-    return [llvm.extractvalue(elem, r, [i], loc=loc, ip=ip) for i in range(4)]
+class KernelBackend:
+    """One arch's kernels behind the shared host path. Each method is one decision the host path leaves to
+    the arch; an arch's backend lives in its kernel's file and registers itself (`register_backend`).
 
-
-@dsl_user_op
-def ld_shared_v4(addr, *, loc=None, ip=None):
-    words = _load_v4("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", _i32(addr, loc, ip), T.i32(), "r", "r", True,
-                     loc, ip)
-    return [cutlass.Uint32(w) for w in words]
-
-
-@dsl_user_op
-def st_shared_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
-    _asm(None, [_i32(addr, loc, ip), _u32(v0, loc, ip), _u32(v1, loc, ip), _u32(v2, loc, ip),
-                _u32(v3, loc, ip)],
-         "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def st_shared_f16_scaled(addr, acc_value, *, loc=None, ip=None):
-    """Stores fp16(acc * 2^14) (undoes the 2^-14 of the operand encoding; exact)."""
-    _asm(None, [_i32(addr, loc, ip), cutlass.Float32(acc_value).ir_value(loc=loc, ip=ip)],
-         "{\n.reg .b16 h;\n.reg .f32 f;\nmul.f32 f, $1, 0f46800000;\ncvt.rn.f16.f32 h, f;\n"
-         "st.shared.b16 [$0], h;\n}",
-         "r,f,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def scale_to_f16x2(scale_word, selector, *, loc=None, ip=None):
-    """One e4m3 byte of `scale_word` as fp16x2 {s * 2^7, s * 2^7}: the prmt `selector` (0x11 * b for byte b)
-    copies byte b into both bytes of the low half, the hardware e4m3x2 -> f16x2 conversion (sm_89+) widens
-    them, exactly for every e4m3 code (subnormals included; e4m3 NaN gives fp16 NaN), and the product with
-    2^7 is exact (448 * 2^7 < 65504). Three instructions (was ten with the bit-level decode)."""
-    r = _asm(T.i32(), [_u32(scale_word, loc, ip), _u32(selector, loc, ip)],
-             "{\n.reg .b32 x, z, c;\n.reg .b16 lo, hi;\n"
-             "mov.b32 z, 0;\nprmt.b32 x, $1, z, $2;\nmov.b32 {lo, hi}, x;\n"
-             "cvt.rn.f16x2.e4m3x2 x, lo;\n"
-             "mov.b32 c, 0x58005800;\nmul.rn.f16x2 $0, x, c;\n}",
-             "=r,r,r", False, loc, ip)
-    return cutlass.Uint32(r)
-
-
-@dsl_user_op
-def fp4x8_to_f16x2x4(word, scale_f16x2, *, loc=None, ip=None):
-    """8 e2m1 nibbles (nibble i = bits 4i..4i+3) -> 4 fp16x2 registers, register i holding
-    (nibble i, nibble i+4) * scale. A nibble's s.e1.e0.m bits go to fp16 bits 15, 11, 10, 9, which is the
-    e2m1 value * 2^-14 (the e = 0 case is an fp16 subnormal); times scale * 2^7 (exact).
-
-    Byte-wise (11 integer instructions + 4 multiplies per word, was 15 + 4): each byte's high nibble
-    (u = word & 0xF0..) already has its sign at the byte's bit 7, and u >> 3 brings its magnitude to bits
-    1-3 (u's own bits 1-3 are zero, and u >> 3 is zero at bit 7), so (u | u >> 3) masked with 0x8E per byte
-    (one lop3, (a | b) & c) is that nibble's fp16 high byte; the low nibbles (w = word & 0x0F..) get the
-    same from w << 4 | w << 1. Bytes 1 and 3 are the high bytes of the two fp16 halves as they stand
-    (registers 2, 3); bytes 0 and 2 move up by 8 (registers 0, 1). H200: 3-8 % faster (docs/HOPPER_NOTES.md
-    v18)."""
-    r = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_u32(word, loc, ip), _u32(scale_f16x2, loc, ip)],
-             "{\n.reg .b32 u, t, w, a, h;\n"
-             "and.b32 u, $4, 0xF0F0F0F0;\nshr.b32 t, u, 3;\n"
-             "lop3.b32 h, u, t, 0x8E008E00, 0xA8;\nmul.rn.f16x2 $3, h, $5;\n"
-             "lop3.b32 h, u, t, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\nmul.rn.f16x2 $1, h, $5;\n"
-             "and.b32 w, $4, 0x0F0F0F0F;\nshl.b32 a, w, 4;\nshl.b32 w, w, 1;\n"
-             "lop3.b32 h, a, w, 0x8E008E00, 0xA8;\nmul.rn.f16x2 $2, h, $5;\n"
-             "lop3.b32 h, a, w, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\nmul.rn.f16x2 $0, h, $5;\n}",
-             "=r,=r,=r,=r,r,r", False, loc, ip)
-    return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def ld_global_u32(addr, fresh: bool = False, *, loc=None, ip=None):
-    """One 32-bit word of read-only global memory. fresh=True: loaded where it stands, never hoisted out of a
-    loop or merged with an earlier load of the same word (a value that would otherwise stay live in a
-    register across the mainloop)."""
-    r = _asm(T.i32(), [_i64(addr, loc, ip)], "ld.global.nc.b32 $0, [$1];", "=r,l" + (",~{memory}" if fresh else ""),
-             fresh, loc, ip)
-    return cutlass.Uint32(r)
-
-
-@dsl_user_op
-def st_global_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
-    _asm(None, [_i64(addr, loc, ip), _u32(v0, loc, ip), _u32(v1, loc, ip), _u32(v2, loc, ip),
-                _u32(v3, loc, ip)],
-         "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def ld_global_v4(addr, fresh: bool = False, *, loc=None, ip=None):
-    """Four 32-bit words of read-only global memory (16-byte aligned); `fresh` as for `ld_global_u32`."""
-    words = _load_v4("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", _i64(addr, loc, ip), T.i32(), "r", "l", fresh,
-                     loc, ip)
-    return [cutlass.Uint32(w) for w in words]
-
-
-@dsl_user_op
-def st_global_v4_f32(addr, v0, v1, v2, v3, *, loc=None, ip=None):
-    _asm(None, [_i64(addr, loc, ip)] + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)],
-         "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def ld_global_cg_v4_f32(addr, *, loc=None, ip=None):
-    """Four floats written by other CTAs of this grid (after `sm90_split_arrive`): cached in L2 only."""
-    values = _load_v4("ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", _i64(addr, loc, ip), T.f32(), "f", "l", True,
-                      loc, ip)
-    return [cutlass.Float32(v) for v in values]
-
-
-@dsl_user_op
-def sm90_split_arrive(counter_addr, leader, last_arrival, barrier_id, *, loc=None, ip=None):
-    """A consumer warpgroup's arrival on a split-K tile's counter, after its threads stored their partials:
-    named barrier `barrier_id` (128 threads), then the leader adds 1 (acq_rel, GPU scope: the warpgroup's
-    stores are released with it, the other parts' acquired), and the warpgroup learns by a barrier reduction
-    whether it was the last of the tile's parts (the add returned `last_arrival`). The last resets the counter
-    to 0 for the next launch on this workspace (zeroed once by the preparation kernel). Returns 1 there, else
-    0. The CUTLASS split-K semaphore's pattern: barrier, then one thread's release."""
-    r = _asm(T.i32(), [_i64(counter_addr, loc, ip), _i32(leader, loc, ip), _u32(last_arrival, loc, ip),
-                       _i32(barrier_id, loc, ip)],
-             "{\n.reg .pred lead, last, r;\n.reg .b32 old;\n"
-             "setp.ne.s32 lead, $2, 0;\n"
-             "bar.sync $4, 128;\n"
-             "mov.b32 old, 0xFFFFFFFF;\n"
-             "@lead atom.acq_rel.gpu.global.add.u32 old, [$1], 1;\n"
-             "setp.eq.u32 last, old, $3;\n"
-             "@last st.relaxed.gpu.global.u32 [$1], 0;\n"
-             "bar.red.or.pred r, $4, 128, last;\n"
-             "selp.s32 $0, 1, 0, r;\n}",
-             "=r,l,r,r,r,~{memory}", True, loc, ip)
-    return cutlass.Int32(r)
-
-
-@dsl_user_op
-def st_global_u32(addr, v, *, loc=None, ip=None):
-    _asm(None, [_i64(addr, loc, ip), _u32(v, loc, ip)], "st.global.b32 [$0], $1;", "l,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def fence_global_for_async_proxy(*, loc=None, ip=None):
-    """Orders this thread's generic-proxy global accesses with its later async-proxy (TMA) ones."""
-    _asm(None, [], "fence.proxy.async.global;", "~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def sm90_grid_arrive_and_wait(sync_addr, last_arrival, *, loc=None, ip=None):
-    """One thread per CTA: arrive on the grid barrier at `sync_addr` (word 0 the arrival count, word 1 the
-    generation; both zero when the workspace is prepared) and wait until every CTA of the grid has arrived.
-    `last_arrival` is the grid size - 1. Self-resetting (the last CTA to arrive zeroes the count, then bumps
-    the generation with release semantics), so one workspace serves every launch on it.
-
-    NOTES: safe only because every CTA of the grid is resident at once: the grid is at most one CTA per SM
-    and the kernel takes a whole SM. The generation is read before this CTA's arrival (acq_rel orders it),
-    so it cannot see the flip it waits for."""
-    _asm(None, [_i64(sync_addr, loc, ip), _u32(last_arrival, loc, ip)],
-         "{\n.reg .b32 gen, old, cur;\n.reg .pred p;\n"
-         "ld.relaxed.gpu.global.b32 gen, [$0+4];\n"
-         "atom.acq_rel.gpu.global.add.u32 old, [$0], 1;\n"
-         "setp.ne.u32 p, old, $1;\n"
-         "@p bra WAIT_${:uid};\n"
-         "st.relaxed.gpu.global.b32 [$0], 0;\n"
-         "add.u32 cur, gen, 1;\n"
-         "st.release.gpu.global.b32 [$0+4], cur;\n"
-         "bra DONE_${:uid};\n"
-         "WAIT_${:uid}:\n"
-         "ld.acquire.gpu.global.b32 cur, [$0+4];\n"
-         "setp.eq.u32 p, cur, gen;\n"
-         "@p bra WAIT_${:uid};\n"
-         "DONE_${:uid}:\n}",
-         "l,r,~{memory}", True, loc, ip)
-
-
-# Bytes of the Hopper workspace's grid-barrier words (arrival count, generation), after the descriptor rows;
-# then the split-K arrival counters, one per split tile and consumer warpgroup.
-SM90_SYNC_BYTES = 128
-SM90_COUNTER_BYTES = SM90_MAX_SPLIT_TILES * 2 * 4
-
-
-@cute.jit
-def sm90_a16_group_offset(sizes: cute.Tensor, group, num_groups: cutlass.Constexpr[int]) -> cutlass.Int64:
-    """Byte offset of group `group`'s fp16 A (M x K x 2 bytes, groups in order) in a Hopper prepass
-    workspace: after the descriptor rows and the grid-barrier words
-    (`Sm90BlockScaledGroupedGemmKernel.a16_offset`)."""
-    offset = cutlass.Int64(Sm90BlockScaledGroupedGemmKernel.a16_offset(num_groups))
-    for i in cutlass.range(group, unroll=1):
-        offset = offset + cutlass.Int64(sizes[i, int(SizeColumn.M)]) * sizes[i, int(SizeColumn.K)] * 2
-    return offset
-
-
-class Sm90AConvertKernel:
-    """The Hopper prepass (config.a16_prepass): every group's A, e2m1 x e4m3, to exact fp16 in the
-    workspace, once per call, so that the GEMM loads it by TMA instead of converting it in every CTA.
-
-    Grid (x, G): CTA (x, g) converts items x * 256 + [0, 256) of group g; an item is one quarter (32 k)
-    of one 128-k chunk of one row: 16 bytes of A (four 32-bit words) and their two scale words in, 64
-    contiguous bytes of fp16 out. The values and their order inside a chunk are exactly what the transform
-    warpgroup writes to shared memory (same encoding: value * 2^-14 * scale * 2^7, undone in the epilogue;
-    same k permutation, which B's register conversion matches), so a TMA load of a 64-k box with the
-    128-byte swizzle puts them where the wgmma expects them. Launched without programmatic dependent launch:
-    it waits for the previous GEMM on the queue, which may still read an earlier call's fp16 A. It does not
-    trigger the GEMM's early launch either: measured no gain (docs/HOPPER_NOTES.md, dead experiments; a GEMM
-    CTA needs the SM's whole register file, so it cannot start beside a prepass CTA).
+      config(sizes, num_sms)           the config custom_kernel runs for these groups, by the arch's variant
+                                       setting (the tile per problem, or one forced)
+      compile_config(variant)          the config compile_for builds by name (None: the arch's default)
+      key_config(config)               the config as the compile key holds it: what is baked in
+      parts(config)                    the compiled kernels a variant launches, "gemm" first
+      compile(part, config, G, options)        cute.compile of one part at placeholder arguments
+      schedule(config, sizes, device, num_sms) its GemmSchedule
+      call_launcher(G, arch, config, kernel, metadata)   what one call launches
     """
 
-    threads = 256
+    arch_prefix = ""  # the target arches it builds for start so ("sm_100a": "sm_10")
+    config_types: tuple = ()  # the config classes it compiles
+    variant_configs: dict = {}  # variant name -> config, what compile_for takes
 
-    def __init__(self, num_groups: int):
-        self.num_groups = num_groups
+    def key_config(self, config):
+        return config
 
-    @cute.jit
-    def __call__(self, ptrs_ptr: cute.Pointer, sizes_ptr: cute.Pointer, workspace_ptr: cute.Pointer,
-                 grid_x: cutlass.Int32):
-        ptrs, sizes = group_tables(ptrs_ptr, sizes_ptr, self.num_groups)
-        workspace = cute.make_tensor(workspace_ptr, cute.make_layout((1,)))
-        self.kernel(ptrs, sizes, workspace).launch(grid=(grid_x, self.num_groups, 1), block=(self.threads, 1, 1))
-
-    @cute.kernel
-    def kernel(self, ptrs: cute.Tensor, sizes: cute.Tensor, workspace: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, g, _ = cute.arch.block_idx()
-        m = sizes[g, int(SizeColumn.M)]
-        k = sizes[g, int(SizeColumn.K)]
-        item = bx * self.threads + tidx
-        if item < m * (k // 128) * 4:
-            sm90_convert_a_item(ptrs, g, k, item,
-                                workspace.iterator.toint() + sm90_a16_group_offset(sizes, g, self.num_groups))
+    def call_launcher(self, num_groups: int, arch: str, config, kernel: Callable, metadata) -> Callable[[], object]:
+        return make_launcher(kernel, metadata.launch_args)
 
 
-@cute.jit
-def sm90_convert_a_items(ptrs: cute.Tensor, sizes: cute.Tensor, a16_base, num_groups: cutlass.Constexpr[int],
-                         first, stride):
-    """Items first, first + stride, ... of the items of all groups in a row (`Sm90AConvertKernel` says what an
-    item is): the GEMM's fused conversion, each of its threads a strided share of the whole.
+class Sm100Backend(KernelBackend):
+    """Blackwell (sm_100a): the persistent kernel, its tile chosen per problem, or a variant forced."""
 
-    NOTES: the thread's position runs on across groups (`local`, relative to the current group's first item);
-    restarting it at each group left every group's items to the first CTAs only (measured: the fused call
-    7.5 / 11 us slower than the separate conversion launch on the two G = 8 benchmarks). Lane j of each warp
-    loads group g0 + j's sizes and the group loop takes them by shuffle, so no dependent global load sits
-    in the group loop."""
-    lane = cute.arch.lane_idx()
-    group_base = a16_base
-    local = first
-    for g0 in cutlass.range(0, num_groups, 32, unroll=1):
-        lane_m = cutlass.Int32(0)
-        lane_k = cutlass.Int32(0)
-        if g0 + lane < num_groups:
-            lane_m = sizes[g0 + lane, int(SizeColumn.M)]
-            lane_k = sizes[g0 + lane, int(SizeColumn.K)]
-        for j in cutlass.range(0, min(32, num_groups), unroll=1):
-            g = g0 + j
-            m = cute.arch.shuffle_sync(lane_m, j)
-            k = cute.arch.shuffle_sync(lane_k, j)
-            if g < num_groups:
-                num_items = m * (k // 128) * 4
-                for item in cutlass.range(local, num_items, stride, unroll=2):
-                    sm90_convert_a_item(ptrs, g, k, item, group_base)
-                # this thread's next item, relative to the next group's first
-                left = num_items - local
-                taken = cutlass.Int32(0)
-                if left > 0:
-                    taken = (left + stride - 1) // stride
-                local = local + taken * stride - num_items
-                group_base = group_base + cutlass.Int64(m) * k * 2
+    arch_prefix = "sm_10"
+    config_types = (Sm100GemmConfig, Sm100PersistentConfig)
+    variant_configs = VARIANT_CONFIGS
 
+    def config(self, sizes, num_sms: int):
+        if KERNEL_VARIANT in TILE_TABLE_VARIANTS:
+            return choose_sm100_config(sizes, num_sms)
+        return variant_config(KERNEL_VARIANT)
 
-@cute.jit
-def sm90_convert_a_item(ptrs: cute.Tensor, g, k, item, group_base):
-    """One item of group g's A (K = k) to fp16 at `group_base` (the group's fp16 A in the workspace)."""
-    chunks = k // 128
-    t = item % 4
-    chunk = (item // 4) % chunks
-    row = item // (4 * chunks)
-    # A: physical k 32 qq + 8 t + [0, 8) of this chunk is word t of the 16-byte column qq.
-    a_row = ptrs[g, int(PtrColumn.A)] + cutlass.Int64(row) * (k // 2) + chunk * 64 + 4 * t
-    words = [ld_global_u32(a_row + 16 * qq) for qq in range(4)]
-    # Blocked scales: 512-byte (32 x 4 x 4) atoms, rest_k = K / 64 of them per 128 rows; a chunk is
-    # two atoms (sub), byte (row % 32) * 16 + ((row // 32) % 4) * 4 + k-block % 4.
-    sf_row = (ptrs[g, int(PtrColumn.SFA)] + cutlass.Int64(row // 128) * (k // 64) * 512
-              + chunk * 1024 + (row % 32) * 16 + ((row // 32) % 4) * 4)
-    sf = [ld_global_u32(sf_row + 512 * sub) for sub in range(2)]
-    conv = [fp4x8_to_f16x2x4(words[qq], scale_to_f16x2(
-        sf[qq // 2], cutlass.Uint32((2 * (qq % 2) + t // 2) * 0x11))) for qq in range(4)]
-    out = group_base + cutlass.Int64(row) * k * 2 + chunk * 256 + 64 * t
-    for i in cutlass.range_constexpr(4):
-        st_global_v4(out + 16 * i, conv[0][i], conv[1][i], conv[2][i], conv[3][i])
+    def compile_config(self, variant: Optional[str]):
+        if variant is not None:
+            _check_choice("kernel variant", variant, KERNEL_VARIANTS)
+        return variant_config(variant or KERNEL_VARIANT)
+
+    def parts(self, config) -> tuple:
+        """The GEMM, and the descriptor preparation (once per input set) where descriptors are up front."""
+        if isinstance(config, Sm100PersistentConfig) and config.descriptors_up_front:
+            return ("gemm", "tensormaps")
+        return ("gemm",)
+
+    def compile(self, part: str, config, num_groups: int, options: dict):
+        if isinstance(config, Sm100PersistentConfig):
+            kernel = Sm100PersistentGroupedGemmKernel(config)
+            if part == "tensormaps":
+                return cute.compile(GroupTensormapKernel(kernel), *kernel_args((0, 0, 0)), num_groups, **options)
+            return cute.compile(kernel, *kernel_args((0, 0, 0, 1, 1)), num_groups, **options)
+        kernel = Sm100BlockScaledGroupedGemmKernel(config)
+        return cute.compile(kernel, *kernel_args((0, 0, 0, 1)), num_groups, **options)
+
+    def schedule(self, config, problem_sizes, device, num_sms: int) -> GemmSchedule:
+        num_tiles = num_output_tiles(problem_sizes, config.tile_mn)
+        if isinstance(config, Sm100PersistentConfig):
+            num_ctas = min(num_tiles, num_sms)
+            workspace = Sm100PersistentGroupedGemmKernel.tensormap_workspace_bytes(config, len(problem_sizes),
+                                                                                   num_ctas)
+            return GemmSchedule(num_tiles, num_ctas, workspace, (num_tiles, num_ctas))
+        workspace = Sm100BlockScaledGroupedGemmKernel.tensormap_workspace_bytes(num_tiles)
+        return GemmSchedule(num_tiles, num_tiles, workspace, (num_tiles,))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Hopper (sm_90a) kernel
-# ---------------------------------------------------------------------------------------------------------
-class Sm90TensorMapSlot(enum.IntEnum):
-    """The Hopper kernel's TMA descriptors of one group, in workspace order."""
-
-    A = 0
-    B = 1
-    C = 2  # C^T view (n contiguous), stored by both consumer warpgroups
+_backends: dict = {}  # arch prefix -> backend
+_backends_by_config: dict = {}  # config class -> backend
 
 
-class Sm90BlockScaledGroupedGemmKernel:
-    """Grouped NVFP4 GEMM for sm_90a; see the module docstring for roles, pipelines and encodings.
+def register_backend(backend: KernelBackend) -> KernelBackend:
+    _backends[backend.arch_prefix] = backend
+    for config_type in backend.config_types:
+        _backends_by_config[config_type] = backend
+    return backend
 
-    Descriptors: one row of three (A, B, C^T) per group, written once per input set by
-    `GroupTensormapKernel` (the Blackwell persistent kernel's scheme and code); the producer and the
-    consumers only acquire a group's row when their tile changes group.
 
-    Tile: 128 rows of B (each consumer warpgroup one 64-row wgmma M block) by tile_m rows of A (the wgmma N).
-    Registers (setmaxnreg): producer 24, transform 64, consumers 208 (prepass: 24, 24, 232).
-    Shared memory: 4 stages (18 KB; prepass 9 KB) + fp16 A buffers of tile_m x 128 k (32 KB; m_exact up to
-    192 rows 48 KB), as many as fit up to 4 (`num_a16`: 3 without the prepass or at 192 rows, else 4)
-    + 2 x 16 KB epilogue: ~205 KB without the prepass, 213 / 196 KB for m_exact up to 192 / 128 rows.
-    Named barriers: EPILOGUE_BARRIER + consumer index (128 threads each).
-    Pipelines (the DSL's classes, as the Blackwell kernels use): the stage ring is a `PipelineTmaAsync`
-    (producer TMA and bulk copies -> consumer warps, and the transform warps that read A from it); the fp16 A
-    ring a `PipelineTmaAsync` with the prepass (its byte count per tile width, `with_tx_count`), else a
-    `PipelineAsync` (transform threads -> consumer threads); each consumer warpgroup's C^T stores a
-    `PipelineTmaStore`. Chunk counters give every pipeline state (`ring_state`). Loads and stores are TMA
-    copy atoms on the prepared descriptors; the scale slices bulk copies.
+SM100_BACKEND = register_backend(Sm100Backend())
+# Arches whose backend lives in a file of its own beside this one, loaded on first use: the leaderboard
+# receives this file alone, and a B200 never needs another.
+BACKEND_MODULES = {"sm_90": "submission_sm90"}
 
-    config.a16_prepass: A arrives as fp16, converted once per call into the workspace after the descriptor rows
-    and the grid-barrier words (`a16_offset`), by this launch's first phase (a16_fused) or `Sm90AConvertKernel`;
-    the producer TMA-loads it straight into the fp16 A buffers (a16_full completes on the transaction bytes),
-    the transform warpgroup has nothing to do, and a stage holds only B and SFB.
 
-    Workspace (m_exact): descriptor rows | grid-barrier words | split-K counters (one per split tile and
-    consumer warpgroup, SM90_MAX_SPLIT_TILES of them, zeroed by `prepare_workspace`, reset by the last part)
-    | fp16 A (`a16_offset`) | split-K partial slots (`partials_offset`, `slot_bytes` each; the work list's
-    first word gives their offset). Split-K (`split_fixup`): a part's consumer warpgroups write their fp32
-    accumulators to the part's slot and arrive on the tile's counter; the last part reads every slot back in
-    slot order and runs the epilogue; the others skip it.
-    """
+def _load_backend_module(name: str):
+    """The module `name`.py beside this file (imported once; it imports this module as `submission`)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+    if not os.path.isfile(path):
+        raise UnsupportedDeviceError(f"this GPU's kernel is in {name}.py, which is not beside {__file__}: the "
+                                     "leaderboard file alone runs on a B200 only")
+    sys.modules.setdefault("submission", sys.modules[__name__])
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
-    EPILOGUE_BARRIER = 2
-    SLOT_ROWS = 128  # rows of B in a split-K partial slot (the tile's)
 
-    A_BYTES = 128 * 64  # A fp4 rows of one stage: 128 x 64 B (128 k)
-    SF_BYTES = 1024  # one 128-row scale slice for 128 k
-    C_BYTES = 128 * 64 * 2  # one epilogue slab per consumer warpgroup: 128 m x 64 n fp16
-    SMEM_SLACK = 4096  # of DYNAMIC_SMEM_BUDGET: barriers and the alignment of the shared-memory regions
-    descriptor_slots = tuple(Sm90TensorMapSlot)
+def backend_for_arch(arch: str) -> KernelBackend:
+    """The backend of a target arch ("sm_100a", "sm_90a"), loading its file where it has one."""
+    for prefix, name in BACKEND_MODULES.items():
+        if arch.startswith(prefix) and prefix not in _backends:
+            _load_backend_module(name)
+    for prefix, backend in _backends.items():
+        if arch.startswith(prefix):
+            return backend
+    raise UnsupportedDeviceError(f"no kernel for {arch}: kernels exist for sm_100a (Blackwell) and sm_90a (Hopper)")
 
-    def __init__(self, num_groups: int, config: "Sm90GemmConfig"):
-        self.config = config
-        self.num_groups = num_groups
-        self.num_stages = config.num_stages or 4
-        self.m_exact = config.m_exact
-        # rows of A per tile (wgmma N): one width, or (m_exact) one of config.widths per tile, chosen at run time
-        self.widths = config.widths
-        self.tile_m = self.widths[-1]
-        self.tile_n = 128  # rows of B per tile (2 consumer warpgroups x wgmma M 64)
-        self.k_chunk = 128  # k elements per stage
-        self.prepass = config.a16_prepass
-        self.fused_convert = config.a16_prepass and config.a16_fused  # the conversion is this launch's first phase
-        self.a16_bytes = self.tile_m * self.k_chunk * 2  # one fp16 A buffer: tile_m rows x 128 k
-        # TMA boxes of the fp16 A loads and of the C^T stores, in rows of A: a width is a whole number of them
-        self.box_rows = 32 if self.m_exact else 128
-        self.b_bytes = self.tile_n * 64
-        # A stage: B fp4 (sB), A fp4 (sA), scale slices [SFA | SFB] (sSF); with the prepass A and SFA are
-        # not loaded.
-        self.a_stage_bytes = 0 if self.prepass else self.A_BYTES
-        self.sfa_in_stage = 0
-        self.sfb_in_stage = 0 if self.prepass else self.SF_BYTES
-        self.sf_stage_bytes = self.sfb_in_stage + self.SF_BYTES
-        self.stage_bytes = self.b_bytes + self.a_stage_bytes + self.sf_stage_bytes  # the TMA bytes of a stage
-        # fp16 A buffers: as many as fit beside the stages and the epilogue slabs (barriers and alignment
-        # padding in SMEM_SLACK), at most 4: 3 of 48 KB (m_exact up to 192 rows, or no prepass), 4 of 32 KB
-        # otherwise. A buffer is refilled only after the wgmmas that read it retire, so the deeper ring loads A
-        # further ahead (measured: 4 instead of 3 buffers, 5 % / 3 % faster on bench2 / bench3).
-        free = DYNAMIC_SMEM_BUDGET - self.SMEM_SLACK - self.num_stages * self.stage_bytes - 2 * self.C_BYTES
-        self.num_a16 = min(4, free // self.a16_bytes)
-        self.threads = 512
-        self.producer_regs = 24
-        # With the prepass the transform warpgroup is idle and gives its registers to the consumers:
-        # 128 x (24 + 24) + 256 x 232 = 65536. NOTES: the widest accumulator (64 x 192 of m_exact) needs them:
-        # with 208, ptxas serializes every wgmma (C7512) or spills.
-        self.transform_regs = 24 if self.prepass else 64
-        self.consumer_regs = 232 if self.prepass else 208
 
-    @cute.jit
-    def group_sizes(self, sizes: cute.Tensor, group: cutlass.Int32):
-        """(group, M, N, K) of one group from the [G, 4] size table."""
-        return (group, sizes[group, int(SizeColumn.M)], sizes[group, int(SizeColumn.N)],
-                sizes[group, int(SizeColumn.K)])
-
-    @staticmethod
-    def sync_offset(num_groups: int) -> int:
-        """Byte offset of the grid-barrier words in the workspace (after the descriptor rows)."""
-        return num_groups * len(Sm90TensorMapSlot) * TENSORMAP_BYTES
-
-    def sync_address(self, tensormaps: cute.Tensor):
-        """Address of this launch's grid-barrier words (the workspace is `tensormaps`' buffer)."""
-        return tensormaps.iterator.toint() + self.sync_offset(self.num_groups)
-
-    def counters_address(self, tensormaps: cute.Tensor):
-        """Address of the split-K arrival counters (after the grid-barrier words): split tile s, consumer
-        warpgroup wg at + 8 s + 4 wg."""
-        return self.sync_address(tensormaps) + SM90_SYNC_BYTES
-
-    @staticmethod
-    def a16_offset(num_groups: int) -> int:
-        """Byte offset of the fp16 A region in the workspace (after the grid-barrier words, rounded up to 1024
-        bytes, at least the alignment the region had before they came; prepass only)."""
-        sync_end = Sm90BlockScaledGroupedGemmKernel.sync_offset(num_groups) + SM90_SYNC_BYTES + SM90_COUNTER_BYTES
-        return ceil_div(sync_end, 1024) * 1024
-
-    @staticmethod
-    def partials_offset(problem_sizes) -> int:
-        """Byte offset of the split-K partial slots in an m_exact workspace (after the fp16 A, 1024-aligned);
-        a function of the problem shape, so the work list carries it (in KB)."""
-        a16 = sum(m * k * 2 for m, _, k, _ in problem_sizes)
-        return ceil_div(Sm90BlockScaledGroupedGemmKernel.a16_offset(len(problem_sizes)) + a16, 1024) * 1024
-
-    @staticmethod
-    def slot_bytes(config: "Sm90GemmConfig") -> int:
-        """One partial slot: the tile's fp32 accumulator, SLOT_ROWS rows of B x the widest tile's rows of A."""
-        return Sm90BlockScaledGroupedGemmKernel.SLOT_ROWS * config.tile_mn[0] * 4
-
-    @staticmethod
-    def workspace_bytes(config: "Sm90GemmConfig", problem_sizes, plan: Optional["Sm90WorkPlan"] = None) -> int:
-        """Descriptor rows, the grid-barrier words and split-K counters, then (prepass) every group's A as
-        fp16, M x K x 2 bytes each, then (a split-K plan) its partial slots."""
-        if plan is not None and plan.num_slots:
-            kernel = Sm90BlockScaledGroupedGemmKernel
-            return kernel.partials_offset(problem_sizes) + plan.num_slots * kernel.slot_bytes(config)
-        a16 = sum(m * k * 2 for m, _, k, _ in problem_sizes) if config.a16_prepass else 0
-        return Sm90BlockScaledGroupedGemmKernel.a16_offset(len(problem_sizes)) + a16
-
-    def smem_box_layouts(self) -> tuple:
-        """Shared-memory layout of one TMA box per descriptor slot (A, B, C^T): what the atoms are built for
-        and what the kernel's shared-memory views are tiled from. A: fp16 box_rows x 64 k (128-byte swizzle)
-        with the prepass, else fp4 128 rows x 128 k (64 bytes, 64-byte swizzle); B: fp4 tile_n rows x 128 k;
-        C^T: 64 n x box_rows m, n contiguous."""
-        fp4_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, cutlass.Uint8)
-        if cutlass.const_expr(self.prepass):
-            a16_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float16)
-            a_box = cute.tile_to_shape(a16_atom, (self.box_rows, 64), order=(0, 1))
-        else:
-            a_box = cute.tile_to_shape(fp4_atom, (128, 64), order=(0, 1))
-        b_box = cute.tile_to_shape(fp4_atom, (self.tile_n, 64), order=(0, 1))
-        c_box = cute.make_layout((64, self.box_rows), stride=(1, 64))
-        return a_box, b_box, c_box
-
-    def tma_setup(self) -> tuple:
-        """The TMA atoms and their coordinate tensors, in `descriptor_slots` order (host side of both jit
-        functions that use them: this GEMM's and `GroupTensormapKernel`'s). Runtime placeholder extents keep
-        the coordinate tensors open; each group's descriptors get its real addresses and sizes
-        (`group_descriptor_tensors`)."""
-        placeholder = cutlass.Int32(128)
-        a_box, b_box, c_box = self.smem_box_layouts()
-
-        def null_tensor(dtype, stride):
-            ptr = cute.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
-            return cute.make_tensor(ptr, cute.make_layout((placeholder, placeholder), stride=stride))
-
-        a_dtype = cutlass.Float16 if cutlass.const_expr(self.prepass) else cutlass.Uint8
-        a_rows = self.box_rows if cutlass.const_expr(self.prepass) else 128
-        load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
-        tma_a, g_a = cpasync.make_tiled_tma_atom(load, null_tensor(a_dtype, (placeholder, 1)), a_box, (a_rows, 64))
-        tma_b, g_b = cpasync.make_tiled_tma_atom(load, null_tensor(cutlass.Uint8, (placeholder, 1)), b_box,
-                                                 (self.tile_n, 64))
-        # C^T view: (N, M), n contiguous
-        tma_c, g_c = cpasync.make_tiled_tma_atom(store, null_tensor(cutlass.Float16, (1, placeholder)), c_box,
-                                                 (64, self.box_rows))
-        return (tma_a, tma_b, tma_c), (g_a, g_b, g_c)
-
-    def descriptor_atoms(self) -> tuple:
-        """The TMA atoms of the descriptors, in `descriptor_slots` order (host side of a jit function)."""
-        return self.tma_setup()[0]
-
-    def group_descriptor_tensors(self, ptrs: cute.Tensor, sizes: cute.Tensor, group,
-                                 tensormaps: cute.Tensor) -> tuple:
-        """Group `group`'s global tensors, in `descriptor_slots` order (device side): A and B as fp4 bytes
-        (rows, K / 2) (prepass: A as fp16 (rows, K) in the workspace), C transposed as (N, M), n contiguous."""
-        _, m_size, n_size, k_size = self.group_sizes(sizes, group)
-        kb = k_size // 2
-        if cutlass.const_expr(self.prepass):
-            a16_addr = tensormaps.iterator.toint() + sm90_a16_group_offset(sizes, group, self.num_groups)
-            a_tensor = cute.make_tensor(
-                cute.make_ptr(cutlass.Float16, a16_addr, cute.AddressSpace.gmem, assumed_align=16),
-                cute.make_layout((m_size, k_size), stride=(k_size, 1)))
-        else:
-            a_tensor = cute.make_tensor(
-                cute.make_ptr(cutlass.Uint8, ptrs[group, int(PtrColumn.A)], cute.AddressSpace.gmem,
-                              assumed_align=16),
-                cute.make_layout((m_size, kb), stride=(kb, 1)))
-        b_tensor = cute.make_tensor(
-            cute.make_ptr(cutlass.Uint8, ptrs[group, int(PtrColumn.B)], cute.AddressSpace.gmem, assumed_align=16),
-            cute.make_layout((n_size, kb), stride=(kb, 1)))
-        c_tensor = cute.make_tensor(
-            cute.make_ptr(cutlass.Float16, ptrs[group, int(PtrColumn.C)], cute.AddressSpace.gmem, assumed_align=16),
-            cute.make_layout((n_size, m_size), stride=(1, n_size)))
-        return a_tensor, b_tensor, c_tensor
-
-    @cute.jit
-    def prepare_workspace(self, tensormaps: cute.Tensor, group):
-        """`GroupTensormapKernel`'s extra step (once per input set, ahead of the first GEMM on this workspace):
-        zero the grid-barrier words of the fused A conversion and the split-K counters (both self-resetting
-        after that)."""
-        if cutlass.const_expr(self.fused_convert):
-            if group == 0 and cute.arch.lane_idx() == 0:
-                sync = self.sync_address(tensormaps)
-                st_global_u32(sync, cutlass.Uint32(0))
-                st_global_u32(sync + 4, cutlass.Uint32(0))
-        if cutlass.const_expr(self.m_exact):
-            counters = self.counters_address(tensormaps)
-            for i in cutlass.range(group * 32 + cute.arch.lane_idx(), SM90_COUNTER_BYTES // 4, self.num_groups * 32,
-                                   unroll=1):
-                st_global_u32(counters + 4 * i, cutlass.Uint32(0))
-
-    def a16_outer(self, width: int, num_buffers: int):
-        """The fp16 A buffers seen by a tile of `width` rows (the wgmma B operand, K-major, 128-byte swizzle
-        applied on top): rows 0..width-1 of every 64-k half of every buffer. A buffer holds tile_m rows per
-        half whatever the width, so that buffers stay put when consecutive tiles have different widths."""
-        return cute.make_layout(((8, width // 8), (64, 2), num_buffers),
-                                stride=((64, 512), (1, self.tile_m * 64), self.tile_m * self.k_chunk))
-
-    @cute.jit
-    def __call__(self, ptrs_ptr: cute.Pointer, sizes_ptr: cute.Pointer, workspace_ptr: cute.Pointer,
-                 work_ptr: cute.Pointer, total_tiles: cutlass.Int32, grid_x: cutlass.Int32):
-        G = self.num_groups
-        ptrs, sizes = group_tables(ptrs_ptr, sizes_ptr, G)
-        tensormaps = descriptor_table(workspace_ptr, G, len(self.descriptor_slots))
-        work = cute.make_tensor(work_ptr, cute.make_layout((1,)))  # m_exact: the plan's words (address only)
-        atoms, coords = self.tma_setup()
-
-        @cute.struct
-        class SharedStorage:
-            # [full x num_stages | empty x num_stages] of the stage ring and of the fp16 A ring; the A ring has
-            # one spare empty barrier after them (see `consume_chunk`)
-            stage_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            a16_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.num_a16 + 1]
-            sB: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.num_stages * self.b_bytes], 1024]
-            sA: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Uint8, max(self.num_stages * self.a_stage_bytes, 16)], 1024]
-            sSF: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.num_stages * self.sf_stage_bytes], 128]
-            a16: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.num_a16 * self.a16_bytes // 2], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, 2 * self.C_BYTES // 2], 1024]
-
-        self.shared_storage = SharedStorage
-
-        self.kernel(ptrs, sizes, tensormaps, work, total_tiles, atoms, coords).launch(
-            grid=(grid_x, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, use_pdl=self.config.use_pdl)
-
-    @cute.kernel
-    def kernel(self, ptrs: cute.Tensor, sizes: cute.Tensor, tensormaps: cute.Tensor, work: cute.Tensor,
-               total_tiles: cutlass.Int32, atoms: tuple, coords: tuple):
-        tidx, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if cutlass.const_expr(self.config.use_pdl):
-            # As the Blackwell kernel: the next launch may start early; global memory after the wait below.
-            cute.arch.griddepcontrol_launch_dependents()
-
-        smem = SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-
-        # ---- pipelines: stage ring (producer TMA -> consumers, and the transform warpgroup without the
-        # prepass; every reading thread releases, `release_read_stage`) and fp16 A ring (producer TMA with the
-        # prepass, else the transform warpgroup -> consumers)
-        consumer_warps = 8 if cutlass.const_expr(self.prepass) else 12
-        stage_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.stage_bars.data_ptr(), num_stages=self.num_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * consumer_warps),
-            tx_count=self.stage_bytes, defer_sync=True)
-        # A-ring releases per buffer: one per consumer warp (TMA pipeline) or per consumer thread (PipelineAsync)
-        a16_releases = 8 if cutlass.const_expr(self.prepass) else 256
-        if cutlass.const_expr(self.prepass):
-            a16_pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.a16_bars.data_ptr(), num_stages=self.num_a16,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, a16_releases),
-                tx_count=self.a16_bytes, defer_sync=True)
-        else:
-            a16_pipe = pipeline.PipelineAsync.create(
-                barrier_storage=storage.a16_bars.data_ptr(), num_stages=self.num_a16,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, a16_releases), defer_sync=True)
-        spare = storage.a16_bars.data_ptr() + 2 * self.num_a16  # the A ring's spare barrier (`consume_chunk`)
-        if warp == 0:
-            # NOTES: the same arrival count as the ring's empty barriers, so that a release completes exactly one
-            # phase: a warp's 32 arrivals merge into one arrive of count 32, and an arrive larger than the pending
-            # count is undefined (measured: a launch failure with count 1 in the PipelineAsync ring).
-            cute.arch.mbarrier_init(spare, a16_releases)
-        # One CTA-wide sync makes every barrier initialisation visible before any role uses it.
-        pipeline.pipeline_init_arrive()
-        pipeline.pipeline_init_wait()
-        if cutlass.const_expr(self.config.use_pdl):
-            cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(self.fused_convert):
-            # ---- phase 1: every thread of every CTA converts its share of A to fp16 in the workspace; the
-            # producer waits for the whole grid's share (`producer`) before its first fp16 A load.
-            workspace = tensormaps.iterator.toint()
-            sm90_convert_a_items(ptrs, sizes, workspace + self.a16_offset(self.num_groups), self.num_groups,
-                                 bid * self.threads + tidx, grid * self.threads)
-            fence_global_for_async_proxy()
-            cute.arch.barrier()  # the CTA's conversion is done before its arrival on the grid barrier
-
-        # ---- shared-memory views and their TMA partitions ----------------------------------------------
-        tma_a, tma_b, tma_c = atoms
-        g_a, g_b, g_c = coords
-        a_box, b_box, c_box = self.smem_box_layouts()
-        # (box, stage)
-        sB = storage.sB.get_tensor(cute.make_layout((b_box.outer.shape, self.num_stages),
-                                                    stride=(b_box.outer.stride, self.b_bytes)), swizzle=b_box.inner)
-        gB = cute.group_modes(cute.local_tile(g_b, (self.tile_n, 64), (None, None)), 0, 2)  # (box, RestN, RestK)
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), sB, gB)
-        if cutlass.const_expr(self.prepass):
-            # (box, box within a half, half, buffer): the fp16 A buffers as box_rows-row boxes
-            sA = storage.a16.get_tensor(cute.make_layout(
-                (a_box.outer.shape, self.tile_m // self.box_rows, 2, self.num_a16),
-                stride=(a_box.outer.stride, self.box_rows * 64, self.tile_m * 64, self.tile_m * self.k_chunk)),
-                swizzle=a_box.inner)
-            a_tile = (self.box_rows, 64)
-        else:
-            # (box, stage): A fp4 of a stage
-            sA = storage.sA.get_tensor(cute.make_layout((a_box.outer.shape, self.num_stages),
-                                                        stride=(a_box.outer.stride, self.A_BYTES)), swizzle=a_box.inner)
-            a_tile = (128, 64)
-        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), sA,
-                                           cute.group_modes(cute.local_tile(g_a, a_tile, (None, None)), 0, 2))
-        # (box, box within a slab, consumer warpgroup): the epilogue slabs as box_rows-row boxes of C^T
-        sC = storage.sC.get_tensor(cute.make_layout((c_box.shape, 128 // self.box_rows, 2),
-                                                    stride=(c_box.stride, self.box_rows * 64, self.C_BYTES // 2)))
-        gC = cute.group_modes(cute.local_tile(g_c, (64, self.box_rows), (None, None)), 0, 2)  # (box, RestN, RestM)
-        tCsC, tCgC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), sC, gC)
-        swizzle = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float16).inner
-        # per width: the fp16 A buffers as the wgmma B operand
-        sA16 = [storage.a16.get_tensor(self.a16_outer(w, self.num_a16), swizzle=swizzle) for w in self.widths]
-        smem = Sm90SharedAddresses(storage.sB.data_ptr().toint(), storage.sA.data_ptr().toint(),
-                                   storage.sSF.data_ptr().toint(), storage.a16.data_ptr().toint(),
-                                   storage.sC.data_ptr().toint())
-
-        descriptors = TmaDescriptorRows(True, tensormaps, bid)
-
-        if warp < 4:
-            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
-            if warp == 0:
-                self.producer(ptrs, sizes, work, descriptors, total_tiles, bid, grid, stage_pipe, a16_pipe,
-                              (tma_a, tma_b), (tAgA, tBgB), (tAsA, tBsB), smem)
-        elif warp < 8:
-            cute.arch.warpgroup_reg_dealloc(self.transform_regs)
-            if cutlass.const_expr(not self.prepass):
-                self.transform(sizes, work, total_tiles, bid, grid, tidx, stage_pipe, a16_pipe, smem)
-        else:
-            cute.arch.warpgroup_reg_alloc(self.consumer_regs)
-            self.consumer(sA16, ptrs, sizes, work, descriptors, total_tiles, bid, grid, tidx, warp, stage_pipe,
-                          a16_pipe, tma_c, tCsC, tCgC, smem)
-
-    # -----------------------------------------------------------------------------------------------
-    # Tile sequence of a CTA (every role walks it on its own)
-    # -----------------------------------------------------------------------------------------------
-    @cute.jit
-    def tile_range(self, work: cute.Tensor, total_tiles, bid, grid):
-        """[begin, end) of this CTA's tile positions: its slice of the work list (m_exact), else the count
-        of tiles bid, bid + grid, ... below total_tiles."""
-        if cutlass.const_expr(self.m_exact):
-            base = work.iterator.toint()
-            return cutlass.Int32(ld_global_u32(base + 4 * (bid + 1))), cutlass.Int32(ld_global_u32(base + 4 * (bid + 2)))
-        return cutlass.Int32(0), (total_tiles - bid + grid - 1) // grid
-
-    @cute.jit
-    def part_entry(self, work: cute.Tensor, i, grid):
-        """Address of part i's words in the work list: after the header (the partials' offset and grid + 1
-        part offsets, in SM90_PART_WORDS-word rows), SM90_PART_WORDS words per part (`Sm90WorkPlan.words`)."""
-        row_bytes = 4 * SM90_PART_WORDS
-        return (work.iterator.toint() + row_bytes * ((grid + 2 + SM90_PART_WORDS - 1) // SM90_PART_WORDS)
-                + row_bytes * cutlass.Int64(i))
-
-    @cute.jit
-    def tile_at(self, i, work: cute.Tensor, scheduler, walk, bid, grid):
-        """This CTA's part at position i: (group, first row, width index, N tile, first 128-k chunk, chunks,
-        1 if it is a part of a split tile else 0), and the scheduler's walk state (group, first tile of the group,
-        tiles in the group; unchanged with a work list). Without a work list every part is a whole tile."""
-        group, group_first, group_tiles = walk
-        if cutlass.const_expr(self.m_exact):
-            entry = self.part_entry(work, i, grid)
-            g, m0, width_idx, n_tile = [cutlass.Int32(x) for x in ld_global_v4(entry)]
-            k0, chunk_word, _, _ = [cutlass.Int32(x) for x in ld_global_v4(entry + 16)]
-            # warp-uniform: the chunk count drives the ring states that address every wgmma's fp16 A buffer
-            # (see `split_fixup`'s NOTES on what a non-uniform value there costs)
-            k0 = cute.arch.make_warp_uniform(k0)
-            chunk_word = cute.arch.make_warp_uniform(chunk_word)
-            chunks, split = chunk_word & (SM90_SPLIT_FLAG - 1), chunk_word >> 16
-        else:
-            tile = bid + i * grid
-            group, group_first, group_tiles = scheduler.find_group(tile, group, group_first, group_tiles)
-            m_tile, n_tile = scheduler.tile_coord(tile, group_first, scheduler.size_table[group, int(SizeColumn.M)])
-            g, m0, width_idx = group, m_tile * self.tile_m, cutlass.Int32(0)
-            k0, chunks = cutlass.Int32(0), scheduler.size_table[group, int(SizeColumn.K)] // self.k_chunk
-            split = cutlass.Int32(0)
-        return g, m0, width_idx, n_tile, k0, chunks, split, (group, group_first, group_tiles)
-
-    # -----------------------------------------------------------------------------------------------
-    # Producer warp
-    # -----------------------------------------------------------------------------------------------
-    @cute.jit
-    def producer(self, ptrs, sizes, work, descriptors, total_tiles, bid, grid, stage_pipe, a16_pipe, atoms,
-                 gmem_parts, smem_parts, smem):
-        # One bulk copy (not a tensor copy) per 1 KB scale slice.
-        sf_atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), cutlass.Uint8, num_bits_per_copy=self.SF_BYTES * 8)
-        # with the prepass the fp16 A ring expects a tile's own bytes: width rows x 128 k (else the producer
-        # does not load A into it)
-        a16_pipes = [with_tx_count(a16_pipe, width * self.k_chunk * 2) if cutlass.const_expr(self.prepass)
-                     else a16_pipe for width in self.widths]
-        if cutlass.const_expr(self.fused_convert):
-            # this CTA's arrival (its conversion is done: the kernel's barrier after phase 1), then every CTA's
-            if cute.arch.lane_idx() == 0:
-                sm90_grid_arrive_and_wait(self.sync_address(descriptors.tensormaps), cutlass.Uint32(grid - 1))
-            cute.arch.sync_warp()
-            fence_global_for_async_proxy()  # the other CTAs' fp16 A, written by the generic proxy, before TMA loads
-        chunk = cutlass.Int32(0)
-        last_g = cutlass.Int32(-1)
-        scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
-        walk = scheduler.first_state()
-        begin, end = self.tile_range(work, total_tiles, bid, grid)
-        for i in range(begin, end):
-            g, m0, width_idx, n_tile, k0, chunks, _, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
-            _, _, _, k_size = self.group_sizes(sizes, g)
-            # Warp-uniform group: the descriptor addresses stay in uniform registers for the TMA issue.
-            g = cute.arch.make_warp_uniform(g)
-            if g != last_g:
-                # Group g's row was written by the preparation kernel and is never rewritten: loads still in
-                # flight on the previous group's row need no drain.
-                descriptors.acquire(g, (Sm90TensorMapSlot.A, Sm90TensorMapSlot.B))
-                last_g = g
-            for w in cutlass.range_constexpr(len(self.widths)):
-                if width_idx == w:
-                    self.produce_tile(self.widths[w], chunk, ptrs, descriptors, g, m0, n_tile, k_size, k0, chunks,
-                                      stage_pipe, a16_pipes[w], atoms, gmem_parts, smem_parts, sf_atom, smem)
-            chunk = chunk + chunks
-
-    @cute.jit
-    def produce_tile(self, width: int, chunk, ptrs, descriptors, g, m0, n_tile, k_size, k0, chunks, stage_pipe,
-                     a16_pipe, atoms, gmem_parts, smem_parts, sf_atom, smem):
-        """The loads of one part (chunks k0 .. k0 + chunks - 1 of a tile of `width` rows of A): per 128-k chunk
-        a stage (B, its scales; A fp4 and its scales without the prepass) and, with the prepass, the chunk's
-        fp16 A into buffer chunk % num_a16."""
-        tma_a, tma_b = atoms
-        tAgA, tBgB = gmem_parts
-        tAsA, tBsB = smem_parts
-        desc_a, desc_b = descriptors.for_tma(g, (Sm90TensorMapSlot.A, Sm90TensorMapSlot.B))
-        lane = cute.arch.lane_idx()
-        sfa = ptrs[g, int(PtrColumn.SFA)]
-        sfb = ptrs[g, int(PtrColumn.SFB)]
-        rest_k = k_size // 64
-        sfa_row = cutlass.Int64((m0 // 128) * rest_k) * 512
-        for c in range(chunks):
-            kc = k0 + c  # the chunk's position in K
-            state = ring_state(chunk + c, self.num_stages, producer=True)
-            stage_pipe.producer_acquire(state)  # waits for the stage, then expects its bytes
-            full = stage_pipe.producer_get_barrier(state)
-            if cutlass.const_expr(not self.prepass):
-                cute.copy(tma_a, tAgA[(None, m0 // 128, kc)], tAsA[(None, state.index)], tma_bar_ptr=full,
-                          tma_desc_ptr=desc_a)
-            cute.copy(tma_b, tBgB[(None, n_tile, kc)], tBsB[(None, state.index)], tma_bar_ptr=full,
-                      tma_desc_ptr=desc_b)
-            if lane == 0:  # bulk copies are not elected by the DSL
-                sf_off = cutlass.Int64(kc) * 1024
-                sf_stage = smem.sf + state.index * self.sf_stage_bytes
-                if cutlass.const_expr(not self.prepass):
-                    cute.copy(sf_atom, byte_tensor(sfa + sfa_row + sf_off, self.SF_BYTES, gmem=True),
-                              byte_tensor(sf_stage + self.sfa_in_stage, self.SF_BYTES), mbar_ptr=full)
-                sfb_row = cutlass.Int64(n_tile * rest_k) * 512
-                cute.copy(sf_atom, byte_tensor(sfb + sfb_row + sf_off, self.SF_BYTES, gmem=True),
-                          byte_tensor(sf_stage + self.sfb_in_stage, self.SF_BYTES), mbar_ptr=full)
-            if cutlass.const_expr(self.prepass):
-                # fp16 A of this chunk: box_rows-row boxes of each 64-k half into the ring's next fp16 A buffer,
-                # once the consumers have retired the wgmmas that read its previous contents.
-                a16_state = ring_state(chunk + c, self.num_a16, producer=True)
-                a16_pipe.producer_acquire(a16_state)
-                a16_full = a16_pipe.producer_get_barrier(a16_state)
-                for h in cutlass.range_constexpr(2):
-                    for j in cutlass.range_constexpr(width // self.box_rows):
-                        cute.copy(tma_a, tAgA[(None, m0 // self.box_rows + j, 2 * kc + h)],
-                                  tAsA[(None, j, h, a16_state.index)], tma_bar_ptr=a16_full, tma_desc_ptr=desc_a)
-
-    # -----------------------------------------------------------------------------------------------
-    # Transform warpgroup: A fp4 (stage) -> fp16 buffer (the wgmma B operand), one row per thread
-    # -----------------------------------------------------------------------------------------------
-    @cute.jit
-    def transform(self, sizes, work, total_tiles, bid, grid, tidx, stage_pipe, a16_pipe, smem):
-        row = tidx % 128
-        a_row_off = row * 64
-        a_swz16 = ((row >> 1) & 3) * 16
-        sfa_off = (row % 32) * 16 + ((row // 32) % 4) * 4
-        a16_row = row * 128
-        a16_swz16 = (row % 8) * 16
-        chunk = cutlass.Int32(0)
-        scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
-        walk = scheduler.first_state()
-        begin, end = self.tile_range(work, total_tiles, bid, grid)
-        for i in range(begin, end):
-            _, _, _, _, _, chunks, _, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
-            for _ in range(chunks):
-                state = ring_state(chunk, self.num_stages)
-                a16_state = ring_state(chunk, self.num_a16, producer=True)
-                stage_pipe.consumer_wait(state)
-                stage_a = smem.a + state.index * self.A_BYTES
-                # words[q'] = physical k 32 q' + [0, 32) of this row: word (q', t) covers 32 q' + 8 t + [0, 8)
-                words = [ld_shared_v4(stage_a + a_row_off + ((16 * qq) ^ a_swz16)) for qq in range(4)]
-                sf_a = smem.sf + state.index * self.sf_stage_bytes + self.sfa_in_stage + sfa_off
-                sf = [ld_shared_u32(sf_a + 512 * sub) for sub in range(2)]
-                release_read_stage(stage_pipe, state)
-                a16_pipe.producer_acquire(a16_state)
-                a16 = smem.a16 + a16_state.index * self.a16_bytes + a16_row
-                for t in cutlass.range_constexpr(4):
-                    # scale block of word (q', t): 2 q' + t // 2 -> word q' // 2, byte 2 (q' % 2) + t // 2
-                    conv = [fp4x8_to_f16x2x4(words[qq][t], scale_to_f16x2(
-                        sf[qq // 2], cutlass.Uint32((2 * (qq % 2) + t // 2) * 0x11))) for qq in range(4)]
-                    for i in cutlass.range_constexpr(4):
-                        s_log = 2 * t + i // 2  # logical k16 step; slot i % 2 selects k 8..15 of the step
-                        addr = a16 + (s_log // 4) * (self.a16_bytes // 2) + ((((2 * s_log + i % 2) % 8) * 16) ^ a16_swz16)
-                        st_shared_v4(addr, conv[0][i], conv[1][i], conv[2][i], conv[3][i])
-                # the stores are visible to the wgmma (async proxy) before this thread's arrival
-                fence_smem_for_async_proxy()
-                a16_pipe.producer_commit(a16_state)
-                chunk = chunk + 1
-
-    # -----------------------------------------------------------------------------------------------
-    # Consumer warpgroups
-    # -----------------------------------------------------------------------------------------------
-    @cute.jit
-    def consumer(self, sA16, ptrs, sizes, work, descriptors, total_tiles, bid, grid, tidx, warp, stage_pipe,
-                 a16_pipe, tma_c, tCsC, tCgC, smem):
-        # warp-uniform values stay in uniform registers (TMA operands must not need a predicated R2UR)
-        wg = warp // 4 - 2
-        w = warp % 4
-        tid = tidx % 128
-        lane = tid % 32
-
-        # One tiled MMA per width: C^T block (64 rows of B) x (width rows of A), A operand from registers.
-        tiled_mmas = [sm90_utils.make_trivial_tiled_mma(
-            cutlass.Float16, cutlass.Float16, _OperandMajorMode.K, _OperandMajorMode.K, cutlass.Float32,
-            (1, 1, 1), (64, width), warpgroup.OperandSource.RMEM) for width in self.widths]
-        # (MMA, MMA_M, MMA_K=2): register-sourced wgmma A operand for a quarter chunk (32 k), two buffers (even
-        # / odd quarter); the same shape for every width
-        frag_shape = tiled_mmas[0].partition_shape_A((64, 32))
-        frags = [cute.make_rmem_tensor(frag_shape, cutlass.Float16) for _ in range(2)]
-        # Warp 0 of each consumer warpgroup stores its slab. The DSL does not elect a lane for the TMA store (the
-        # PTX has every lane of the warp issue it); with warp-uniform operands the SASS issues it once per warp.
-        c_store = pipeline.PipelineTmaStore.create(
-            num_stages=1, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32))
-        # this warpgroup's epilogue barrier (a runtime id: a NamedBarrier object wants a compile-time one)
-        epilogue_barrier = self.EPILOGUE_BARRIER + wg
-
-        # Per-thread constants, kept to a few registers: every other offset is base + compile-time constant.
-        # B: rows r, r + 8 of each 64-row block (r + 8 and r + 64 keep the SW64 swizzle and the scale-slice
-        # position: +512 / +4096 bytes of B, +128 / +8 bytes of SFB), 16-byte column chunk q.
-        q = lane % 4
-        b_row = 64 * wg + 16 * w + lane // 4
-        b_off = b_row * 64 + 16 * (q ^ ((b_row >> 1) & 3))
-        sfb_off = (b_row // 128) * self.SF_BYTES + (q // 2) * 512 + (b_row % 32) * 16 + ((b_row // 32) % 4) * 4
-        b_sel = cutlass.Uint32(2 * (q % 2) * 0x11)  # `scale_to_f16x2`'s selector of this thread's first scale byte
-        chunk = cutlass.Int32(0)
-        last_g = cutlass.Int32(-1)
-        scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
-        walk = scheduler.first_state()
-        begin, end = self.tile_range(work, total_tiles, bid, grid)
-        for i in range(begin, end):
-            g, m0, width_idx, n_tile, _, chunks, is_split, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
-            g = cute.arch.make_warp_uniform(g)
-            if g != last_g:
-                if w == 0:  # the warp that issues this warpgroup's TMA stores
-                    descriptors.acquire(g, (Sm90TensorMapSlot.C,))
-                last_g = g
-            for wi in cutlass.range_constexpr(len(self.widths)):
-                if width_idx == wi:
-                    self.consume_tile(self.widths[wi], tiled_mmas[wi], sA16[wi], frags, chunk, chunks, is_split, i, grid,
-                                      work, descriptors, descriptors.for_tma(g, (Sm90TensorMapSlot.C,))[0], m0,
-                                      n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
-                                      epilogue_barrier, smem, b_off, sfb_off, b_sel)
-            chunk = chunk + chunks
-        if w == 0:
-            c_store.producer_tail()  # the stores have completed before the CTA retires
-
-    @cute.jit
-    def consume_tile(self, width: int, tiled_mma, sA16, frags, chunk, num_chunks, is_split, i, grid, work, descriptors,
-                     desc_c, m0, n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
-                     epilogue_barrier, smem, b_off, sfb_off, b_sel):
-        """One part of a tile of `width` rows of A: its K loop into the accumulator (64 n x width m); a part of
-        a split tile then meets the others' (`split_fixup`); the epilogue, where the tile is complete (fp16
-        slabs of at most 128 m x 64 n, TMA-stored as box_rows-row boxes of C^T)."""
-        thr_mma = tiled_mma.get_slice(tid)
-        # (MMA, MMA_N, MMA_K, A16 buffer)
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sA16))
-        # (MMA, MMA_M, MMA_N): this warpgroup's 64 rows of B by the tile's rows of A
-        acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((64, width)), cutlass.Float32)
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        acc.fill(0.0)
-        for c in range(num_chunks):
-            # NOTES: branch-free on purpose: a dynamic `if` between wgmma groups makes ptxas wait for every
-            # wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the SASS): the MMAs serialize.
-            first = cutlass.Int32(c == 0)
-            self.consume_chunk(chunk + c, first, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
-                               sfb_off, b_sel)
-        warpgroup.wait_group(0)
-        a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
-        complete = cutlass.Int32(1)
-        if cutlass.const_expr(self.m_exact):
-            if is_split != 0:
-                # the split words, read here rather than kept live across the mainloop (NOTES: kept live,
-                # DSL 4.5.2's build spilled consumer registers)
-                _, _, split, slot = [cutlass.Int32(x) for x in ld_global_v4(self.part_entry(work, i, grid) + 16, True)]
-                complete = self.split_fixup(width, acc, split, slot, work, descriptors.tensormaps, wg, tid,
-                                            epilogue_barrier)
-        if complete != 0:
-            self.epilogue(width, acc, desc_c, m0, n_tile, wg, w, tid, tma_c, tCsC, tCgC, c_store, epilogue_barrier,
-                          smem)
-
-    @cute.jit
-    def split_fixup(self, width: int, acc, split, slot, work, tensormaps, wg, tid, epilogue_barrier):
-        """Split-K: this warpgroup's part of split tile `split` writes its fp32 accumulator to its slot and
-        arrives on the tile's counter; the last part to arrive reads every slot back, in slot order (so the
-        sum does not depend on which part finished last), into `acc` and returns 1: it stores the tile.
-        `slot`: part index | parts << 8 | first slot << 16 (`Sm90WorkPlan.cta_tiles`).
-        A slot: [consumer warpgroup][v4 j][thread] of 16 bytes, so each access of a warpgroup is 2 KB in a row."""
-        part = slot & 0xFF
-        parts = (slot >> 8) & 0xFF
-        slot_bytes = self.slot_bytes(self.config)
-        workspace = tensormaps.iterator.toint()
-        # the work list's first word: the slots' offset in the workspace, in KB (computed here, not kept live
-        # across the tile loop: the consumers have no register to spare)
-        partials = workspace + cutlass.Int64(ld_global_u32(work.iterator.toint(), True)) * 1024
-        first = partials + cutlass.Int64(slot >> 16) * slot_bytes + wg * (slot_bytes // 2) + tid * 16
-        own = first + cutlass.Int64(part) * slot_bytes
-        for j in cutlass.range_constexpr(width // 8):
-            st_global_v4_f32(own + 2048 * j, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
-        counter = self.counters_address(tensormaps) + 8 * split + 4 * wg
-        # NOTES: the same in every thread (a barrier reduction), and ptxas must be told: unmarked, the branches
-        # on it made the tile loop divergent, the wgmma descriptors left the uniform registers (DSL 4.5.2
-        # SASS: 213 R2UR instead of 53, two per wgmma) and whole tiles ran 5 % slower (H200, bench0 / bench1)
-        last = cute.arch.make_warp_uniform(sm90_split_arrive(counter, cutlass.Int32(tid == 0), parts - 1,
-                                                             epilogue_barrier))
-        if last != 0:
-            for j in cutlass.range_constexpr(width // 8):
-                v = ld_global_cg_v4_f32(first + 2048 * j)
-                for e in cutlass.range_constexpr(4):
-                    acc[4 * j + e] = v[e]
-            for q in cutlass.range(1, parts, unroll=1):
-                for j in cutlass.range_constexpr(width // 8):
-                    v = ld_global_cg_v4_f32(first + cutlass.Int64(q) * slot_bytes + 2048 * j)
-                    for e in cutlass.range_constexpr(4):
-                        acc[4 * j + e] = acc[4 * j + e] + v[e]
-        return last
-
-    @cute.jit
-    def epilogue(self, width: int, acc, desc_c, m0, n_tile, wg, w, tid, tma_c, tCsC, tCgC, c_store,
-                 epilogue_barrier, smem):
-        """Per pass of at most 128 rows of A: acc -> fp16 slab [m][n] in shared memory -> TMA stores of
-        box_rows x 64 boxes of C^T."""
-        lane = tid % 32
-        c_slab = smem.c + wg * self.C_BYTES
-        n0 = n_tile * self.tile_n + 64 * wg
-        for p in cutlass.range_constexpr((width + 127) // 128):
-            rows = min(128, width - 128 * p)
-            if w == 0:
-                c_store.producer_acquire()  # the previous store has read the slab (no-op when none is pending)
-            cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
-            # value v of the accumulator: n 16 w + lane / 4 + 8 ((v / 2) % 2), m 2 (lane % 4) + v % 2 + 8 (v / 4)
-            for v in cutlass.range_constexpr(64 * p, 64 * p + rows // 2):
-                n_local = 16 * w + lane // 4 + 8 * ((v // 2) % 2)
-                m_local = 2 * (lane % 4) + (v % 2) + 8 * (v // 4) - 128 * p
-                st_shared_f16_scaled(c_slab + (m_local * 64 + n_local) * 2, acc[v])
-            fence_smem_for_async_proxy()
-            cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
-            if w == 0:
-                for j in cutlass.range_constexpr(rows // self.box_rows):
-                    cute.copy(tma_c, tCsC[(None, j, wg)],
-                              tCgC[(None, n0 // 64, (m0 + 128 * p) // self.box_rows + j)], tma_desc_ptr=desc_c)
-                c_store.producer_commit()
-
-    @cute.jit
-    def consume_chunk(self, chunk, first, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
-                      sfb_off, b_sel):
-        state = ring_state(chunk, self.num_stages)
-        a16_state = ring_state(chunk, self.num_a16)
-        stage_pipe.consumer_wait(state)
-        stage_b = smem.b + state.index * self.b_bytes
-        sf_b = smem.sf + state.index * self.sf_stage_bytes + self.sfb_in_stage
-
-        # -- this thread's B rows (r, r + 8) and their scale words; then release the stage
-        b_words = [ld_shared_v4(stage_b + b_off + 512 * half) for half in range(2)]
-        b_sf = [ld_shared_u32(sf_b + sfb_off + 128 * half) for half in range(2)]
-        release_read_stage(stage_pipe, state)
-        b_sc = [[scale_to_f16x2(b_sf[r], b_sel + e * 0x11) for e in range(2)] for r in range(2)]
-        a16_pipe.consumer_wait(a16_state)
-        # The previous chunk's fp16 A buffer, released at t == 1 below once its wgmmas have retired. A tile's
-        # first chunk releases the spare barrier after the ring instead (index num_a16): the tile before
-        # released its last buffer after its final wait; a select, not a branch (see consume_tile's NOTES).
-        prev_state = pipeline.PipelineState(
-            self.num_a16, chunk, first * self.num_a16 + (1 - first) * ((chunk + self.num_a16 - 1) % self.num_a16), 0)
-
-        # -- per quarter (32 k = word t of each row): dequantize into the register fragment and issue
-        # 2 k-steps of wgmma; a fragment buffer is rewritten two quarters later.
-        for t in cutlass.range_constexpr(4):
-            warpgroup.wait_group(1)
-            if t == 1:
-                # every wgmma of the previous chunk has retired: its fp16 A buffer can be refilled
-                a16_pipe.consumer_release(prev_state)
-            frag_u32 = cute.recast_tensor(frags[t % 2], cutlass.Uint32)
-            o0 = fp4x8_to_f16x2x4(b_words[0][t], b_sc[0][t // 2])
-            o1 = fp4x8_to_f16x2x4(b_words[1][t], b_sc[1][t // 2])
-            for i in cutlass.range_constexpr(4):
-                step = i // 2
-                slot = i % 2
-                frag_u32[4 * step + 2 * slot] = o0[i]
-                frag_u32[4 * step + 2 * slot + 1] = o1[i]
-            warpgroup.fence()
-            for step in cutlass.range_constexpr(2):
-                cute.gemm(tiled_mma, acc, frags[t % 2][(None, None, step)],
-                          tCrB[(None, None, 2 * t + step, a16_state.index)], acc)
-            warpgroup.commit_group()
+def backend_of(config) -> KernelBackend:
+    """The backend that compiles `config`."""
+    return _backends_by_config[type(config)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -3576,15 +2231,17 @@ def compile_key(num_groups: int, arch: str, config=None, part: str = "gemm") -> 
     """The key of a compiled kernel: everything baked into it.
 
     The group count is static (the size and pointer tables' layouts); the target arch and the DSL version
-    decide the code; the config (its class names the kernel) holds tile shape, stages, dtypes and the
-    descriptor scheme; `part` is "gemm" or, for descriptors_up_front, "tensormaps" (the preparation
-    kernel). Problem sizes, pointers, tile count and grid size are not in it: the kernels read them at run
-    time. `config` defaults to the one of KERNEL_VARIANT.
+    decide the code; the config (its class names the kernel; `KernelBackend.key_config` leaves out what is
+    chosen at run time) holds tile shape, stages, dtypes and the descriptor scheme; `part` is one of the
+    backend's parts ("gemm", "tensormaps": the descriptor preparation, ...) or "upload". Problem sizes,
+    pointers, tile count and grid size are not in it: the kernels read them at run time. `config` defaults
+    to the one of KERNEL_VARIANT.
     """
     if config is None:
         config = variant_config(KERNEL_VARIANT)
-    if isinstance(config, Sm90GemmConfig):
-        config = dataclasses.replace(config, split_k=True)  # the plan's choice: the same kernel runs both
+    backend = _backends_by_config.get(type(config))
+    if backend is not None:
+        config = backend.key_config(config)
     return ("nvfp4_grouped_gemm", part, arch, DSL_VERSION, config, int(num_groups), _launch_abi())
 
 
@@ -3601,36 +2258,16 @@ def kernel_args(raw_args: tuple, num_tables: int = 3) -> tuple:
     return (*tables, *(cutlass.Int32(count) for count in raw_args[num_tables:]))
 
 
-def sm90_gemm_args(raw_args: tuple) -> tuple:
-    """The DSL arguments of the Hopper GEMM: the three tables, its work list (address; 0 unless m_exact),
-    tile count and grid size."""
-    return kernel_args(raw_args, num_tables=4)
-
-
 def _compile(key: tuple) -> Callable:
     _, part, arch, _, config, num_groups, abi = key
     options = {"options": "--enable-tvm-ffi"} if abi == "tvm_ffi" else {}
     if isinstance(config, TableUploadConfig):  # arch-neutral
         return cute.compile(TableUploadKernel(num_groups, config), *upload_args((0, 0)), **options)
-    # Placeholder addresses and counts: only the pointer types (dtype, alignment) and G are baked in.
-    tables = kernel_args((0, 0, 0))
-    if isinstance(config, Sm90GemmConfig) and arch.startswith("sm_90"):
-        kernel = Sm90BlockScaledGroupedGemmKernel(num_groups, config)
-        if part == "tensormaps":
-            return cute.compile(GroupTensormapKernel(kernel), *tables, num_groups, **options)
-        if part == "convert":
-            return cute.compile(Sm90AConvertKernel(num_groups), *kernel_args((0, 0, 0, 1)), **options)
-        return cute.compile(kernel, *sm90_gemm_args((0, 0, 0, 0, 1, 1)), **options)
-    if not (arch.startswith("sm_10") and not isinstance(config, Sm90GemmConfig)):
+    backend = _backends_by_config.get(type(config))
+    if backend is None or not arch.startswith(backend.arch_prefix):
         raise UnsupportedDeviceError(f"no kernel for {arch} with {type(config).__name__}: kernels exist for "
                                      "sm_100a (Blackwell) and sm_90a (Hopper)")
-    if isinstance(config, Sm100PersistentConfig):
-        kernel = Sm100PersistentGroupedGemmKernel(config)
-        if part == "tensormaps":
-            return cute.compile(GroupTensormapKernel(kernel), *tables, num_groups, **options)
-        return cute.compile(kernel, *kernel_args((0, 0, 0, 1, 1)), num_groups, **options)
-    kernel = Sm100BlockScaledGroupedGemmKernel(config)
-    return cute.compile(kernel, *kernel_args((0, 0, 0, 1)), num_groups, **options)
+    return backend.compile(part, config, num_groups, options)
 
 
 def compiled_kernel(key: tuple) -> Callable:
@@ -3765,43 +2402,24 @@ def _check_device(device: torch.device) -> None:
 
 
 def kernel_parts(config) -> tuple:
-    """The compiled kernels a variant launches: the GEMM, the descriptor preparation where it has one (once
-    per input set), and the Hopper A prepass (every call, before the GEMM) where the config asks for it."""
-    if isinstance(config, Sm90GemmConfig):
-        separate_convert = config.a16_prepass and not config.a16_fused
-        return ("gemm", "tensormaps", "convert") if separate_convert else ("gemm", "tensormaps")
-    if isinstance(config, Sm100PersistentConfig) and config.descriptors_up_front:
-        return ("gemm", "tensormaps")
-    return ("gemm",)
+    """The compiled kernels a config launches, the GEMM first (its backend's `parts`)."""
+    return backend_of(config).parts(config)
 
 
 def make_call_launcher(num_groups: int, arch: str, config, kernel: Callable, metadata) -> Callable[[], object]:
-    """What one custom_kernel call launches: the GEMM, preceded by the Hopper A prepass where there is one."""
-    gemm = make_launcher(kernel, metadata.launch_args,
-                         sm90_gemm_args if isinstance(config, Sm90GemmConfig) else kernel_args)
-    if "convert" not in kernel_parts(config):
-        return gemm
-    convert = make_launcher(compiled_kernel(compile_key(num_groups, arch, config, "convert")), metadata.prepass_args)
-
-    def launch():
-        convert()
-        return gemm()
-
-    return launch
-
-
-_SM90_COMPILE_SMS = 132  # an H100 SXM / H200: only what choose_sm90_config weighs, nothing is baked in
+    """What one custom_kernel call launches (its backend's `call_launcher`)."""
+    return backend_of(config).call_launcher(num_groups, arch, config, kernel, metadata)
 
 
 def compile_for(num_groups: int, arch: Optional[str] = None, variant: Optional[str] = None) -> Callable:
     """Build the kernels for `num_groups` groups, without launching them, through custom_kernel's cache.
 
     The DSL builds for CUTE_DSL_ARCH when it is set (no GPU needed), else for the current GPU; `arch`, when
-    given, must name that same target. `variant` defaults to KERNEL_VARIANT on sm_100a and on sm_90a to
-    what "sm90_auto" runs (choose_sm90_config; one of SM90_VARIANT_CONFIGS there); another target raises
-    UnsupportedDeviceError. Returns the compiled GEMM kernel. The variant's
-    other kernel (the descriptor preparation of "persistent") is built too, after the GEMM; its cubin's
-    name sorts before the GEMM's.
+    given, must name that same target. `variant` names one of the target backend's variants (sm_100a:
+    KERNEL_VARIANTS; sm_90a: submission_sm90.SM90_VARIANT_CONFIGS); by default the arch's own choice without
+    sizes (KERNEL_VARIANT; on sm_90a what "sm90_auto" runs). Another target raises UnsupportedDeviceError.
+    Returns the compiled GEMM kernel. The variant's other kernels (the descriptor preparation) are built
+    too, after the GEMM; their cubins' names sort before the GEMM's.
 
     Without a CUDA driver, DSL 4.3.x writes the cubin (when asked to keep it) and then raises
     cutlass.base_dsl.common.DSLRuntimeError, whose message begins "ICE" and names the cause
@@ -3812,16 +2430,8 @@ def compile_for(num_groups: int, arch: Optional[str] = None, variant: Optional[s
     target = _target_arch(None)
     if arch is not None and arch != target:
         raise ValueError(f"compile_for(arch={arch!r}), but the DSL builds for {target!r} (CUTE_DSL_ARCH or the GPU)")
-    if target.startswith("sm_90"):
-        if variant is not None:
-            _check_choice("Hopper variant", variant, tuple(SM90_VARIANT_CONFIGS))
-        config = SM90_VARIANT_CONFIGS[variant] if variant else choose_sm90_config((), _SM90_COMPILE_SMS)
-    else:
-        if variant is not None:
-            _check_choice("kernel variant", variant, KERNEL_VARIANTS)
-        config = variant_config(variant or KERNEL_VARIANT)
-    parts = kernel_parts(config)
-    return [compiled_kernel(compile_key(num_groups, target, config, part)) for part in parts][0]
+    config = backend_for_arch(target).compile_config(variant)
+    return [compiled_kernel(compile_key(num_groups, target, config, part)) for part in kernel_parts(config)][0]
 
 
 def build_kernels(problem_sizes, device: Optional[torch.device] = None) -> list:
@@ -3998,54 +2608,23 @@ def can_implement(data) -> tuple:
 # ---------------------------------------------------------------------------------------------------------
 def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata:
     staging, table_buffer, ptr_table, size_table = pack_group_metadata(data, device)
-    num_tiles = num_output_tiles(data[3], config.tile_mn)
-    work_list = None
-    if isinstance(config, Sm90GemmConfig):
-        if config.m_exact:
-            sizes, num_sms = tuple(map(tuple, data[3])), _device_sm_count(device.index)
-            plan = plan_sm90_work(sizes, num_sms, config.max_width, config.split_k)
-            num_tiles, num_ctas = plan.num_tiles, len(plan.cta_tiles)
-            work_list = sm90_work_list(sizes, num_sms, config.max_width, config.split_k, device)
-        else:
-            plan, num_ctas = None, min(num_tiles, _device_sm_count(device.index))
-        workspace_bytes = Sm90BlockScaledGroupedGemmKernel.workspace_bytes(config, data[3], plan)
-        counts = (0 if work_list is None else work_list.data_ptr(), num_tiles, num_ctas)
-    elif isinstance(config, Sm100PersistentConfig):
-        num_ctas = min(num_tiles, _device_sm_count(device.index))
-        workspace_bytes = Sm100PersistentGroupedGemmKernel.tensormap_workspace_bytes(config, len(data[3]), num_ctas)
-        counts = (num_tiles, num_ctas)
-    else:
-        num_ctas = num_tiles
-        workspace_bytes = Sm100BlockScaledGroupedGemmKernel.tensormap_workspace_bytes(num_tiles)
-        counts = (num_tiles,)
-    workspace = aligned_device_buffer(workspace_bytes, TENSORMAP_BYTES, device)
+    schedule = backend_of(config).schedule(config, data[3], device, _device_sm_count(device.index))
+    workspace = aligned_device_buffer(schedule.workspace_bytes, TENSORMAP_BYTES, device)
     tables = (ptr_table.data_ptr(), size_table.data_ptr(), workspace.data_ptr())
     # The tables reach the device on the kernels' own queue, ahead of every kernel that reads them.
     upload = compiled_kernel(compile_key(len(data[3]), _target_arch(device), TABLE_UPLOAD_CONFIG, "upload"))
     make_launcher(upload, (staging.data_ptr(), table_buffer.data_ptr()), upload_args)()
     _table_ring.uploaded()  # the staging piece is handed out again only once this upload has run
-    prepass_args = ()
-    if "convert" in kernel_parts(config):
-        items = max(m * (k // 128) * 4 for m, _, k, _ in data[3])
-        prepass_args = (*tables, ceil_div(items, Sm90AConvertKernel.threads))
-    return LaunchMetadata(table_buffer, workspace, num_tiles, num_ctas, (*tables, *counts), tables, prepass_args,
-                          work_list)
+    prepass_args = (*tables, *schedule.prepass_counts) if schedule.prepass_counts else ()
+    return LaunchMetadata(table_buffer, workspace, schedule.num_tiles, schedule.num_ctas,
+                          (*tables, *schedule.counts), tables, prepass_args, schedule.work_list)
 
 
 def kernel_config(data, device: torch.device):
-    """The kernel configuration custom_kernel runs for this input on this device: on Hopper
-    choose_sm90_config's (SM90_VARIANT "sm90_auto") or SM90_VARIANT's forced variant; on
-    Blackwell the tile-table row that suits them (KERNEL_VARIANT "persistent") or KERNEL_VARIANT's fixed
-    config."""
-    if _target_arch(device).startswith("sm_90"):
-        if SM90_VARIANT in SM90_VARIANT_CONFIGS:
-            config = SM90_VARIANT_CONFIGS[SM90_VARIANT]
-        else:
-            config = choose_sm90_config(data[3], _device_sm_count(device.index))
-    elif KERNEL_VARIANT in TILE_TABLE_VARIANTS:
-        config = choose_sm100_config(data[3], _device_sm_count(device.index))
-    else:
-        config = variant_config(KERNEL_VARIANT)
+    """The kernel configuration custom_kernel runs for this input on this device: its arch backend's choice
+    (on Blackwell the tile-table row that suits the problem, KERNEL_VARIANT "persistent", or KERNEL_VARIANT's
+    fixed config; on Hopper submission_sm90.SM90_VARIANT's), with USE_PDL as set now."""
+    config = backend_for_arch(_target_arch(device)).config(data[3], _device_sm_count(device.index))
     if getattr(config, "use_pdl", USE_PDL) != USE_PDL:  # set_pdl() since import
         config = dataclasses.replace(config, use_pdl=USE_PDL)
     return config
@@ -4096,7 +2675,7 @@ def _prepared_call(data) -> Optional[_PreparedCall]:
     is checked. A tensor object whose storage is swapped in place (`.data =`, `set_`) after a first call
     is not detected; the task's harness never does that, and a new tensor always misses.
     """
-    entry = _prepared_calls.get((KERNEL_VARIANT, SM90_VARIANT, LAUNCH_PATH, USE_PDL, id(data)))
+    entry = _prepared_calls.get((KERNEL_VARIANT, LAUNCH_PATH, USE_PDL, id(data)))
     if entry is None or type(data) is not tuple or len(data) != 4:
         return None
     abc, sfr, sizes = entry.lists
@@ -4106,6 +2685,11 @@ def _prepared_call(data) -> Optional[_PreparedCall]:
             and all(map(is_, abc, abc_items)) and all(map(is_, sfr, sfr_items)) and all(map(is_, sizes, size_items))):
         return entry
     return None
+
+
+def forget_prepared_calls() -> None:
+    """Drops every prepared call (a setting outside their key changed: submission_sm90.set_sm90_variant)."""
+    _prepared_calls.clear()
 
 
 def non_empty_groups(data) -> tuple:
@@ -4137,7 +2721,7 @@ def _prepare_call(data) -> _PreparedCall:
         _check_device(device)
         config = kernel_config(launched, device)
         kernel = compiled_gemm(len(launched[3]), _target_arch(device), config)
-    variant, sm90_variant, launch_path, pdl = KERNEL_VARIANT, SM90_VARIANT, LAUNCH_PATH, USE_PDL
+    variant, launch_path, pdl = KERNEL_VARIANT, LAUNCH_PATH, USE_PDL
     if launched[3]:
         metadata = launch_metadata(launched, device, config)
         launch = make_call_launcher(len(launched[3]), _target_arch(device), config, kernel, metadata)
@@ -4149,7 +2733,7 @@ def _prepare_call(data) -> _PreparedCall:
     if type(data) is tuple and all(type(x) is tuple for part in entry.items for x in part):
         if len(_prepared_calls) >= PREPARED_CALL_CACHE_SIZE:
             del _prepared_calls[next(iter(_prepared_calls))]
-        _prepared_calls[(variant, sm90_variant, launch_path, pdl, id(data))] = entry
+        _prepared_calls[(variant, launch_path, pdl, id(data))] = entry
     return entry
 
 

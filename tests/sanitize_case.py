@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import reference  # noqa: E402
 import submission  # noqa: E402
+import submission_sm90
 
 CASES = (
     # the hazard's reproducer: three groups, the 768-k one wraps the stage ring
@@ -28,10 +29,10 @@ def main(variants) -> int:
     bad = 0
     for variant in variants:
         if variant == "two_launch":  # sm90_a16_mexact with the A conversion as a launch of its own
-            submission.SM90_VARIANT_CONFIGS["two_launch"] = dataclasses.replace(
-                submission.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], a16_fused=False)
-            submission.SM90_VARIANTS = (*submission.SM90_VARIANTS, "two_launch")
-        submission.set_sm90_variant(variant)
+            submission_sm90.SM90_VARIANT_CONFIGS["two_launch"] = dataclasses.replace(
+                submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], a16_fused=False)
+            submission_sm90.SM90_VARIANTS = (*submission_sm90.SM90_VARIANTS, "two_launch")
+        submission_sm90.set_sm90_variant(variant)
         for case in CASES:
             data = reference.generate_input(**case)
             abc, sfs, sfs_r, sizes = data

@@ -22,10 +22,12 @@ import eval as ev
 import harness
 import reference
 import submission
+import submission_sm90
 from conftest import ROOT
 
 SUBMISSION_TEXT = (ROOT / "submission.py").read_text()
-ALL_VARIANTS = list(submission.KERNEL_VARIANTS) + list(submission.SM90_VARIANTS)
+# What export writes: the leaderboard file, so B200 variants only.
+EXPORT_VARIANTS = list(submission.KERNEL_VARIANTS)
 
 
 def _clean_env():
@@ -63,7 +65,7 @@ def _export(tmp_path, name):
     return out
 
 
-@pytest.mark.parametrize("name", ALL_VARIANTS)
+@pytest.mark.parametrize("name", EXPORT_VARIANTS)
 def test_export_changes_exactly_the_default_line(tmp_path, capsys, name):
     text = _export(tmp_path, name).read_text()
     assert bringup.file_rule_problems(text) == []
@@ -71,42 +73,48 @@ def test_export_changes_exactly_the_default_line(tmp_path, capsys, name):
     before, after = SUBMISSION_TEXT.split("\n"), text.split("\n")
     assert len(before) == len(after)
     changed = [i for i, (a, b) in enumerate(zip(before, after)) if a != b]
-    kind = "b200" if name in submission.KERNEL_VARIANTS else "sm90"
-    default = submission.DEFAULT_KERNEL_VARIANT if kind == "b200" else submission.DEFAULT_SM90_VARIANT
+    default = submission.DEFAULT_KERNEL_VARIANT
     if name == default:
         assert changed == []
     else:
         assert len(changed) == 1
-        assert before[changed[0]] == bringup.default_line(kind, default)
-        assert after[changed[0]] == bringup.default_line(kind, name)
+        assert before[changed[0]] == bringup.default_line("b200", default)
+        assert after[changed[0]] == bringup.default_line("b200", name)
     assert "wrote" in capsys.readouterr().out
 
 
 def test_exported_copies_import_with_their_default(tmp_path):
     # Each copy imported as a module of its own from a temporary directory, the project on sys.path, no
     # NVFP4_* variant in the environment.
-    for name in ALL_VARIANTS:
+    for name in EXPORT_VARIANTS:
         _export(tmp_path, name)
     probe = textwrap.dedent(f"""
         import importlib, json, sys
         sys.path[:0] = [{str(tmp_path)!r}, {str(ROOT)!r}]
         found = {{}}
-        for name in {ALL_VARIANTS!r}:
+        for name in {EXPORT_VARIANTS!r}:
             module = importlib.import_module("sub_" + name)
-            found[name] = [module.KERNEL_VARIANT, module.SM90_VARIANT, module.__file__]
+            found[name] = [module.KERNEL_VARIANT, module.__file__]
         print(json.dumps(found))
     """)
     proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=_clean_env(), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name in ALL_VARIANTS:
-        kernel_variant, sm90_variant, path = found[name]
-        assert path.startswith(str(tmp_path))
-        if name in submission.KERNEL_VARIANTS:
-            assert (kernel_variant, sm90_variant) == (name, submission.DEFAULT_SM90_VARIANT)
-        else:
-            assert (kernel_variant, sm90_variant) == (submission.DEFAULT_KERNEL_VARIANT, name)
+    for name in EXPORT_VARIANTS:
+        kernel_variant, path = found[name]
+        assert path.startswith(str(tmp_path)) and kernel_variant == name
+
+
+@pytest.mark.parametrize("name", ["sm90_auto", "sm90_tile128"])
+def test_export_refuses_a_hopper_variant_naming_its_file(tmp_path, capsys, name):
+    # The leaderboard file holds the B200 kernels only: a Hopper default cannot be exported into it.
+    assert name in submission_sm90.SM90_VARIANTS
+    out = tmp_path / "sub.py"
+    assert bringup.export_main(["--variant", name, "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Hopper variant" in err[0] and "submission_sm90.py" in err[0]
+    assert not out.exists()
 
 
 def test_export_cli_rejects_an_unknown_variant_in_one_line(tmp_path):
@@ -136,13 +144,13 @@ def test_export_needs_the_marked_line_exactly_once(damage, match):
     assert SUBMISSION_TEXT.count(line) == 1
     text = damage(SUBMISSION_TEXT, line)
     with pytest.raises(bringup.ExportError, match=match):
-        bringup.export_text(text, "seed", submission.KERNEL_VARIANTS, submission.SM90_VARIANTS)
+        bringup.export_text(text, "seed", submission.KERNEL_VARIANTS, submission_sm90.SM90_VARIANTS)
 
 
 def test_export_refuses_a_copy_that_breaks_the_file_rules():
     text = SUBMISSION_TEXT + "\n# S" + "tream\n"
     with pytest.raises(bringup.ExportError, match="file rules: forbidden_word"):
-        bringup.export_text(text, "seed", submission.KERNEL_VARIANTS, submission.SM90_VARIANTS)
+        bringup.export_text(text, "seed", submission.KERNEL_VARIANTS, submission_sm90.SM90_VARIANTS)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -151,16 +159,16 @@ def test_export_refuses_a_copy_that_breaks_the_file_rules():
 def test_sm90_variant_forces_the_hopper_tile(monkeypatch):
     monkeypatch.setattr(submission, "_target_arch", lambda device: "sm_90a")
     monkeypatch.setattr(submission, "_device_sm_count", lambda index: 132)
-    monkeypatch.setattr(submission, "SM90_VARIANT", submission.SM90_VARIANT)  # restored after the test
+    monkeypatch.setattr(submission_sm90, "SM90_VARIANT", submission_sm90.SM90_VARIANT)  # restored after the test
     device = torch.device("cuda", 0)
     data = (None, None, None, [(128, 4096, 1536, 1)])
-    assert submission.SM90_VARIANTS == ("sm90_auto", *submission.SM90_VARIANT_CONFIGS)
-    assert {"sm90_tile128", "sm90_a16_mexact"} <= set(submission.SM90_VARIANTS)
-    submission.set_sm90_variant("sm90_auto")
+    assert submission_sm90.SM90_VARIANTS == ("sm90_auto", *submission_sm90.SM90_VARIANT_CONFIGS)
+    assert {"sm90_tile128", "sm90_a16_mexact"} <= set(submission_sm90.SM90_VARIANTS)
+    submission_sm90.set_sm90_variant("sm90_auto")
     auto = submission.kernel_config(data, device)
-    assert auto.tile_mn == submission.choose_sm90_config(data[3], 132).tile_mn
-    for name, config in submission.SM90_VARIANT_CONFIGS.items():
-        submission.set_sm90_variant(name)
+    assert auto.tile_mn == submission_sm90.choose_sm90_config(data[3], 132).tile_mn
+    for name, config in submission_sm90.SM90_VARIANT_CONFIGS.items():
+        submission_sm90.set_sm90_variant(name)
         assert submission.kernel_config(data, device).tile_mn == config.tile_mn
     # The B200 choice is unaffected.
     monkeypatch.setattr(submission, "_target_arch", lambda device: "sm_100a")
@@ -169,17 +177,17 @@ def test_sm90_variant_forces_the_hopper_tile(monkeypatch):
 
 
 def test_set_sm90_variant_rejects_bad_names(monkeypatch):
-    monkeypatch.setattr(submission, "SM90_VARIANT", submission.SM90_VARIANT)
+    monkeypatch.setattr(submission_sm90, "SM90_VARIANT", submission_sm90.SM90_VARIANT)
     with pytest.raises(ValueError, match="sm90_tile512"):
-        submission.set_sm90_variant("sm90_tile512")
+        submission_sm90.set_sm90_variant("sm90_tile512")
     with pytest.raises(TypeError):
-        submission.set_sm90_variant(128)
+        submission_sm90.set_sm90_variant(128)
     with pytest.raises(ValueError):
-        submission.set_sm90_variant("persistent")  # a B200 variant is not a Hopper one
+        submission_sm90.set_sm90_variant("persistent")  # a B200 variant is not a Hopper one
 
 
 def test_sm90_variant_from_the_environment_at_import():
-    probe = "import submission; print(submission.SM90_VARIANT, submission.KERNEL_VARIANT)"
+    probe = "import submission, submission_sm90; print(submission_sm90.SM90_VARIANT, submission.KERNEL_VARIANT)"
     procs = {}
     for value in ("sm90_tile128", "bogus"):
         env = dict(_clean_env(), NVFP4_SM90_VARIANT=value)
@@ -193,30 +201,32 @@ def test_sm90_variant_from_the_environment_at_import():
     assert code != 0 and "NVFP4_SM90_VARIANT='bogus'" in err
 
 
-def test_prepared_call_key_holds_the_hopper_variant(monkeypatch):
-    # A prepared call made under one Hopper variant is not reused under another (its config differs).
-    monkeypatch.setattr(submission, "SM90_VARIANT", "sm90_auto")
+def test_set_sm90_variant_forgets_the_prepared_calls(monkeypatch):
+    # The prepared-call key holds the B200 settings only: set_sm90_variant drops every prepared call, so a
+    # call prepared under one Hopper variant is never reused under another (its config differs).
+    monkeypatch.setattr(submission_sm90, "SM90_VARIANT", "sm90_auto")
     monkeypatch.setattr(submission, "_prepared_calls", {})
     monkeypatch.setattr(submission, "can_implement", lambda data: (True, ""))
     monkeypatch.setattr(submission, "_check_device", lambda device: None)
     monkeypatch.setattr(submission, "_target_arch", lambda device: "sm_90a")
-    monkeypatch.setattr(submission, "kernel_config", lambda data, device: submission.SM90_VARIANT)
+    monkeypatch.setattr(submission, "kernel_config", lambda data, device: submission_sm90.SM90_VARIANT)
     monkeypatch.setattr(submission, "compiled_gemm", lambda groups, arch, config: ("kernel", config))
-    metadata = types.SimpleNamespace(launch_args=(1, 2, 3, 4, 5))
-    monkeypatch.setattr(submission, "launch_metadata", lambda data, device, config: metadata)
+    monkeypatch.setattr(submission, "launch_metadata", lambda data, device, config: None)
     launches = []
-    monkeypatch.setattr(submission, "make_launcher", lambda kernel, args, *_: lambda: launches.append(kernel[1]))
+    monkeypatch.setattr(submission, "make_call_launcher",
+                        lambda groups, arch, config, kernel, metadata: lambda: launches.append(kernel[1]))
     data = tuple(reference.generate_input(m=(64,), n=(128,), k=(256,), g=1, seed=1))
     data = (tuple(data[0]), tuple(data[1]), tuple(data[2]), tuple(data[3]))
     submission.custom_kernel(data)
     assert submission._prepared_call(data) is not None
-    submission.set_sm90_variant("sm90_tile128")
+    submission_sm90.set_sm90_variant("sm90_tile128")
     assert submission._prepared_call(data) is None
     submission.custom_kernel(data)
-    submission.set_sm90_variant("sm90_auto")
-    submission.custom_kernel(data)  # the first entry again
+    submission_sm90.set_sm90_variant("sm90_auto")
+    assert submission._prepared_call(data) is None
+    submission.custom_kernel(data)
     assert launches == ["sm90_auto", "sm90_tile128", "sm90_auto"]
-    assert len(submission._prepared_calls) == 2
+    assert len(submission._prepared_calls) == 1
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -709,12 +719,12 @@ def test_job_build_builds_each_problem_through_the_submission(monkeypatch):
     assert result["status"] == "error" and result["error"] == "g=1 m=[8] n=[999] k=[256]: RuntimeError: ptxas said no"
 
 
-@pytest.mark.parametrize("arch,variant,attribute", [("sm_100a", "persistent", "KERNEL_VARIANT"),
-                                                    ("sm_100a", "seed", "KERNEL_VARIANT"),
-                                                    ("sm_90a", "sm90_auto", "SM90_VARIANT")])
-def test_build_kernels_compiles_what_custom_kernel_launches(monkeypatch, arch, variant, attribute):
+@pytest.mark.parametrize("arch,variant,module,attribute", [("sm_100a", "persistent", submission, "KERNEL_VARIANT"),
+                                                           ("sm_100a", "seed", submission, "KERNEL_VARIANT"),
+                                                           ("sm_90a", "sm90_auto", submission_sm90, "SM90_VARIANT")])
+def test_build_kernels_compiles_what_custom_kernel_launches(monkeypatch, arch, variant, module, attribute):
     compiled = []
-    monkeypatch.setattr(submission, attribute, variant)
+    monkeypatch.setattr(module, attribute, variant)
     monkeypatch.setattr(submission, "_compiled_kernels", {})
     monkeypatch.setattr(submission, "_compile", lambda key: compiled.append(key) or (lambda *args: None))
     monkeypatch.setattr(submission, "_check_device", lambda device: None)
@@ -764,7 +774,7 @@ def test_recommendation_is_the_fastest_variant_that_passed_everything():
     assert rec["submit_command"].endswith("--mode test sub_persistent_n128.py")
     # The line is the one export writes, and the one submission.py has for its default.
     exported = bringup.export_text(SUBMISSION_TEXT, "persistent_n128", submission.KERNEL_VARIANTS,
-                                   submission.SM90_VARIANTS)
+                                   submission_sm90.SM90_VARIANTS)
     assert rec["line_after"] in exported.split("\n")
     assert bringup.default_line("b200", submission.DEFAULT_KERNEL_VARIANT) in SUBMISSION_TEXT.split("\n")
     text = bringup.format_recommendation(rec)
@@ -903,11 +913,11 @@ class FakeGpuWorkers:
 def test_bringup_end_to_end_on_a_fake_hopper(monkeypatch, tmp_path, capsys):
     # The whole command on fake workers and a fake GPU: environment, cases, plans, report, JSON.
     _fake_gpu(monkeypatch, (9, 0), "NVIDIA H200", 132)
-    configs = submission.SM90_VARIANT_CONFIGS
+    configs = submission_sm90.SM90_VARIANT_CONFIGS
     best = next(name for name, config in configs.items() if config.tile_mn[1] == 128)
     wide = [name for name, config in configs.items() if config.tile_mn[1] == 256]
     # the 256-wide tiles, if any, are fastest but never run the N % 256 != 0 tests; then `best`, then sm90_auto
-    speed = dict({name: 20.0 for name in submission.SM90_VARIANTS}, sm90_auto=10.0, **{best: 9.0},
+    speed = dict({name: 20.0 for name in submission_sm90.SM90_VARIANTS}, sm90_auto=10.0, **{best: 9.0},
                  **{name: 5.0 for name in wide})
     fakes = FakeGpuWorkers("NVFP4_SM90_VARIANT", speed)
     monkeypatch.setattr(bringup, "Worker", fakes.Worker)
@@ -917,7 +927,7 @@ def test_bringup_end_to_end_on_a_fake_hopper(monkeypatch, tmp_path, capsys):
     report = captured.out
     # every variant's workers, one variant each, selected through the environment
     assert sorted({tuple(env.items()) for env in fakes.envs}) == sorted(
-        {(("NVFP4_SM90_VARIANT", name),) for name in submission.SM90_VARIANTS})
+        {(("NVFP4_SM90_VARIANT", name),) for name in submission_sm90.SM90_VARIANTS})
     fakes.check_order()
     assert report.startswith("environment\n") and "NVIDIA H200" in report and "compute capability" in report
     assert f"recommendation: {best}" in report
@@ -980,7 +990,7 @@ def test_bringup_names_an_unknown_variant_before_the_gpu_check(monkeypatch, caps
     assert bringup.bringup_main(["--variants", "persistent,nope"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("eval.py bringup: --variants: 'nope': not a variant"), err
-    assert all(name in err[0] for name in (*submission.KERNEL_VARIANTS, *submission.SM90_VARIANTS))
+    assert all(name in err[0] for name in (*submission.KERNEL_VARIANTS, *submission_sm90.SM90_VARIANTS))
     proc = subprocess.run([sys.executable, str(ROOT / "eval.py"), "bringup", "--variants", "nope"], cwd=ROOT,
                           env=_clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "'nope'" in proc.stderr

@@ -12,24 +12,25 @@ from conftest import ROOT, load_task_yml
 
 try:
     import submission
+    import submission_sm90
 except ImportError:  # no nvidia-cutlass-dsl: every test here is skipped
-    submission = None
+    submission = submission_sm90 = None
 
 # submission.USE_PDL as the eval.py subprocess will see it
 PDL_ON = os.environ.get("NVFP4_PDL", "1") == "1"
 
 
-def build_variants(sub) -> tuple:
+def build_variants(sub, sub90) -> tuple:
     """(sm_100a variants, sm_90a variants) the build tests build: every name compile --variant takes, from the
     submission itself, so that a new variant is built too. sm_100a: VARIANT_CONFIGS ("persistent", the tile
     per problem, among them); sm_90a: SM90_VARIANTS, "sm90_auto" (the choice per problem) and every
     SM90_VARIANT_CONFIGS entry."""
     if sub is None:
         return (), ()
-    return tuple(sub.VARIANT_CONFIGS), tuple(sub.SM90_VARIANTS)
+    return tuple(sub.VARIANT_CONFIGS), tuple(sub90.SM90_VARIANTS)
 
 
-SM100_BUILD_VARIANTS, SM90_BUILD_VARIANTS = build_variants(submission)
+SM100_BUILD_VARIANTS, SM90_BUILD_VARIANTS = build_variants(submission, submission_sm90)
 
 
 def sm100_expectations(sub, variant: str) -> dict:
@@ -103,7 +104,7 @@ def test_sm90a_builds_for_every_task_group_count(tmp_path, variant):
     for row in report:
         assert row["ok"], row
         # the kernel built (sm90_auto: the one its choice per problem names)
-        expect = sm90_expectations(submission.SM90_VARIANT_CONFIGS[row["variant"]])
+        expect = sm90_expectations(submission_sm90.SM90_VARIANT_CONFIGS[row["variant"]])
         sass = row["sass"]
         # wgmma, TMA loads of the fp4 bytes, TMA store of C
         assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["UTMASTG"] > 0, row
@@ -116,7 +117,7 @@ def test_sm90a_builds_for_every_task_group_count(tmp_path, variant):
             assert sass["LDL"] == 0 and sass["STL"] == 0, row
         # the GEMM writes C by TMA only (descriptors are prepared by GroupTensormapKernel); plain global stores
         # only where the launch converts A itself (a16_fused: the fp16 A and the grid barrier's two words)
-        config = submission.SM90_VARIANT_CONFIGS[row["variant"]]
+        config = submission_sm90.SM90_VARIANT_CONFIGS[row["variant"]]
         if config.a16_prepass and config.a16_fused:
             assert sass["STG"] > 0, row
         else:
@@ -127,9 +128,10 @@ _PART_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 import submission
+import submission_sm90
 import dataclasses
 # a variant with the A conversion, as its own launch: both parts
-config = dataclasses.replace(next(c for c in submission.SM90_VARIANT_CONFIGS.values() if c.a16_prepass), a16_fused=False)
+config = dataclasses.replace(next(c for c in submission_sm90.SM90_VARIANT_CONFIGS.values() if c.a16_prepass), a16_fused=False)
 try:
     submission.compiled_kernel(submission.compile_key(2, "sm_90a", config, sys.argv[2]))
 except Exception as err:  # 4.3.x without a driver: the cubin is written, then loading it fails

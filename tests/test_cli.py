@@ -14,6 +14,7 @@ import torch
 import eval as ev
 import reference
 import submission
+import submission_sm90
 from conftest import ROOT
 
 TRUNCATED_YAML = 'tests:\n  - {"m": [96, 128], "n": [128'
@@ -277,15 +278,16 @@ def test_name_setters_take_one_of_their_names(monkeypatch, setter, names, attrib
     assert getattr(submission, attribute) == name
 
 
-@pytest.mark.parametrize("setter,name,other", [("set_sm90_variant", "persistent", "set_variant"),
-                                               ("set_variant", "sm90_auto", "set_sm90_variant")])
+@pytest.mark.parametrize("setter,name,other", [("submission_sm90.set_sm90_variant", "persistent", "submission.set_variant"),
+                                               ("submission.set_variant", "sm90_auto", "submission_sm90.set_sm90_variant")])
 def test_a_variant_of_the_other_arch_names_its_setter(monkeypatch, setter, name, other):
     monkeypatch.setattr(submission, "KERNEL_VARIANT", "seed")
-    monkeypatch.setattr(submission, "SM90_VARIANT", submission.SM90_VARIANTS[-1])
+    monkeypatch.setattr(submission_sm90, "SM90_VARIANT", submission_sm90.SM90_VARIANTS[-1])
+    module, function = setter.split(".")
     with pytest.raises(ValueError, match=re.escape(f"use {other}({name!r})")) as raised:
-        getattr(submission, setter)(name)
+        getattr(sys.modules[module], function)(name)
     assert "('" not in str(raised.value).split(")", 1)[1]  # the choices as a plain list, not a Python tuple
-    assert (submission.KERNEL_VARIANT, submission.SM90_VARIANT) == ("seed", submission.SM90_VARIANTS[-1])
+    assert (submission.KERNEL_VARIANT, submission_sm90.SM90_VARIANT) == ("seed", submission_sm90.SM90_VARIANTS[-1])
 
 
 def test_setter_choices_are_listed_plainly():
@@ -396,7 +398,7 @@ def _refuse_build(*args, **kwargs):
 def test_compile_help_lists_the_variants_of_each_arch(capsys):
     assert _exit_code(ev.compile_main, ["--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
-    for name in (*submission.KERNEL_VARIANTS, *submission.SM90_VARIANTS):
+    for name in (*submission.KERNEL_VARIANTS, *submission_sm90.SM90_VARIANTS):
         assert name in out
 
 
@@ -432,7 +434,7 @@ def _runtime_tile(monkeypatch, arch: str, num_sms: int, sizes) -> tuple:
 def test_compile_builds_each_kernel_the_cases_run_once(tmp_path, capsys, monkeypatch, fake_builds, arch, num_sms):
     # the submission's own defaults: each picks its tile per problem
     monkeypatch.setattr(submission, "KERNEL_VARIANT", "persistent")
-    monkeypatch.setattr(submission, "SM90_VARIANT", "sm90_auto")
+    monkeypatch.setattr(submission_sm90, "SM90_VARIANT", "sm90_auto")
     report = tmp_path / "report.json"
     rc = ev.compile_main(["--arch", arch, str(ROOT / "task.yml"), "--json", str(report)])
     out = capsys.readouterr().out
@@ -449,7 +451,7 @@ def test_compile_builds_each_kernel_the_cases_run_once(tmp_path, capsys, monkeyp
     built = [(g, variant) for g, build_arch, variant in fake_builds.calls]
     assert all(build_arch == arch for _, build_arch, _ in fake_builds.calls)
     assert len(built) == len(set(built)) == len(set(expected))  # each distinct kernel once
-    configs = submission.SM90_VARIANT_CONFIGS if arch == "sm_90a" else submission.VARIANT_CONFIGS
+    configs = submission_sm90.SM90_VARIANT_CONFIGS if arch == "sm_90a" else submission.VARIANT_CONFIGS
     assert {(g, tuple(configs[variant].tile_mn)) for g, variant in built} == set(expected)
 
     lines = out.splitlines()
@@ -464,7 +466,7 @@ def test_compile_builds_each_kernel_the_cases_run_once(tmp_path, capsys, monkeyp
         assert row.endswith(full_label), row  # never cut mid-number
         # the tile's rows of A: fixed on sm_100a; on sm_90a (sm90_auto takes M-exact tiles for every problem) the
         # range of widths up to tile[0]
-        rows = f"{submission.SM90_WIDTHS[0]}-{tile[0]}" if arch == "sm_90a" else tile[0]
+        rows = f"{submission_sm90.SM90_WIDTHS[0]}-{tile[0]}" if arch == "sm_90a" else tile[0]
         assert f" {rows}x{tile[1]} g={g} " in row, row
 
     entries = json.loads(report.read_text())
@@ -557,12 +559,12 @@ def test_the_build_tests_build_every_variant_with_expectations():
     import test_build
 
     assert test_build.SM100_BUILD_VARIANTS == tuple(submission.VARIANT_CONFIGS) == submission.KERNEL_VARIANTS
-    assert test_build.SM90_BUILD_VARIANTS == submission.SM90_VARIANTS and "sm90_auto" in submission.SM90_VARIANTS
+    assert test_build.SM90_BUILD_VARIANTS == submission_sm90.SM90_VARIANTS and "sm90_auto" in submission_sm90.SM90_VARIANTS
     # a variant added to the submission is built too, without a list to edit
     new_sm100 = dataclasses.replace(submission.SM100_TILE_N128, num_acc_stages=1)
-    fake = types.SimpleNamespace(VARIANT_CONFIGS=dict(submission.VARIANT_CONFIGS, persistent_new=new_sm100),
-                                 SM90_VARIANTS=(*submission.SM90_VARIANTS, "sm90_new"))
-    sm100, sm90 = test_build.build_variants(fake)
+    fake = types.SimpleNamespace(VARIANT_CONFIGS=dict(submission.VARIANT_CONFIGS, persistent_new=new_sm100))
+    fake90 = types.SimpleNamespace(SM90_VARIANTS=(*submission_sm90.SM90_VARIANTS, "sm90_new"))
+    sm100, sm90 = test_build.build_variants(fake, fake90)
     assert sm100[-1] == "persistent_new" and sm90[-1] == "sm90_new" and sm90[0] == "sm90_auto"
     # every variant has its SASS expectations, from its config's kind; an unknown kind is an error
     for name in submission.KERNEL_VARIANTS:
@@ -572,9 +574,9 @@ def test_the_build_tests_build_every_variant_with_expectations():
                                   Sm100GemmConfig=type("G", (), {}))
     with pytest.raises(AssertionError, match="odd: no SASS expectations"):
         test_build.sm100_expectations(other, "odd")
-    for name, config in submission.SM90_VARIANT_CONFIGS.items():
+    for name, config in submission_sm90.SM90_VARIANT_CONFIGS.items():
         assert test_build.sm90_expectations(config) == dict(pipelined=True, no_spills=True), name
-    assert test_build.sm90_expectations(submission.choose_sm90_config((), 132)) == dict(pipelined=True, no_spills=True)
+    assert test_build.sm90_expectations(submission_sm90.choose_sm90_config((), 132)) == dict(pipelined=True, no_spills=True)
 
 
 @pytest.mark.parametrize("width", range(4, 60))

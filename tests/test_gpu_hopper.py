@@ -57,13 +57,14 @@ def sm90(request, monkeypatch):
     """The submission, with the Hopper tile variant forced where the test asks for one."""
     import submission
 
+    import submission_sm90
     config = getattr(request, "param", "auto")
     if config in ("two_launch", "whole_tiles"):  # sm90_a16_mexact with one config field changed
         field = {"two_launch": "a16_fused", "whole_tiles": "split_k"}[config]
-        forced = dataclasses.replace(submission.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], **{field: False})
+        forced = dataclasses.replace(submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], **{field: False})
         monkeypatch.setattr(submission, "choose_sm90_config", lambda sizes, num_sms: forced)
     elif config != "auto":
-        forced = submission.SM90_VARIANT_CONFIGS[config]
+        forced = submission_sm90.SM90_VARIANT_CONFIGS[config]
         monkeypatch.setattr(submission, "choose_sm90_config", lambda sizes, num_sms: forced)
     return submission
 

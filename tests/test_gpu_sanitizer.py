@@ -37,9 +37,9 @@ TOOLS = {
 
 
 def _variants():
-    import submission
+    import submission_sm90
 
-    return [*submission.SM90_VARIANT_CONFIGS, "two_launch"]
+    return [*submission_sm90.SM90_VARIANT_CONFIGS, "two_launch"]
 
 
 @pytest.mark.parametrize("tool", list(TOOLS))

@@ -19,6 +19,7 @@ import torch
 import cutlass
 import reference
 import submission
+import submission_sm90
 from conftest import ROOT, cuda_capability
 
 
@@ -159,7 +160,7 @@ def test_compile_key_ends_with_the_abi_of_the_launch_path(launch_path, arch, par
     ("sm_100a", submission.SM100_TILE_N128, "gemm"),
     ("sm_100a", submission.SM100_TILE_N128, "tensormaps"),
     ("sm_100a", submission.SM100_CONFIG, "gemm"),
-    ("sm_90a", submission.choose_sm90_config([(72, 256, 512, 1)], 132), "gemm"),
+    ("sm_90a", submission_sm90.choose_sm90_config([(72, 256, 512, 1)], 132), "gemm"),
 ], ids=["persistent", "tensormaps", "seed", "sm90"])
 def test_compile_options_follow_the_key_not_the_current_path(launch_path, monkeypatch, abi, arch, config, part):
     calls = []
@@ -389,7 +390,7 @@ def test_a_failing_tvm_ffi_build_raises_and_keeps_the_path(launch_path, monkeypa
     built = _failing_tvm_ffi_compile(monkeypatch)
     monkeypatch.setattr(submission, "LAUNCH_PATH", "tvm_ffi")
     with pytest.raises(RuntimeError, match="ABI mismatch"):
-        submission.compiled_gemm(2, "sm_90a", submission.SM90_VARIANT_CONFIGS["sm90_tile128"])
+        submission.compiled_gemm(2, "sm_90a", submission_sm90.SM90_VARIANT_CONFIGS["sm90_tile128"])
     assert built == ["tvm_ffi"] and submission.LAUNCH_PATH == "tvm_ffi"
 
 
@@ -406,3 +407,41 @@ def test_prepacked_launchers_of_one_kernel_share_its_executor(launch_path):
     other = FakeCtypesKernel()
     submission.make_launcher(other, RAW)
     assert other.to_calls == [None]  # another kernel gets its own
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The arch seam: what each B200 variant's prepared call launches with, through its backend
+# ---------------------------------------------------------------------------------------------------------
+B200_SIZES = [(40, 4096, 7168, 1), (200, 7168, 2048, 1), (1, 256, 256, 1)]
+
+
+def _expected_b200_launch(config, num_sms: int = 148) -> tuple:
+    """The ints a B200 GEMM launch takes after its three tables, from the sizes alone: the persistent kernel
+    (tiles, CTAs = one per SM at most), the seed (tiles, one CTA each)."""
+    tile_m, tile_n = config.tile_mn
+    tiles = sum(-(-m // tile_m) * -(-n // tile_n) for m, n, _, _ in B200_SIZES)
+    return (tiles, min(tiles, num_sms)) if isinstance(config, submission.Sm100PersistentConfig) else (tiles,)
+
+
+@pytest.mark.parametrize("variant", submission.KERNEL_VARIANTS)
+def test_b200_prepared_launch_packs_the_tables_then_the_variants_counts(launch_path, variant):
+    launch_path("prepacked")
+    config = submission.VARIANT_CONFIGS[variant]
+    backend = submission.backend_for_arch("sm_100a")
+    assert submission.backend_of(config) is backend
+    schedule = backend.schedule(config, B200_SIZES, torch.device("cpu"), 148)
+    counts = _expected_b200_launch(config)
+    assert schedule.counts == counts and (schedule.num_tiles, schedule.num_ctas) == (counts[0], counts[-1])
+    assert schedule.work_list is None and schedule.prepass_counts == ()
+    # Descriptor workspace: five 128-byte descriptors per group up front, four per tile for the seed.
+    rows = 5 * len(B200_SIZES) if len(counts) == 2 else 4 * counts[0]
+    assert schedule.workspace_bytes >= rows * submission.TENSORMAP_BYTES
+    metadata = submission.LaunchMetadata(None, None, schedule.num_tiles, schedule.num_ctas,
+                                         (*RAW[:3], *schedule.counts), RAW[:3])
+    kernel = FakeCtypesKernel()
+    launch = submission.make_call_launcher(len(B200_SIZES), "sm_100a", config, kernel, metadata)
+    (args,) = kernel.generate_calls
+    assert [_address(p) for p in args[:3]] == list(RAW[:3])
+    assert [type(c) for c in args[3:]] == [cutlass.Int32] * len(counts) and [c.value for c in args[3:]] == list(counts)
+    launch()
+    assert list(kernel.executor.capi_calls[0]) == FakeCtypesKernel.PACKED

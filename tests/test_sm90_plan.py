@@ -9,6 +9,7 @@ import pytest
 from conftest import load_task_yml
 
 submission = pytest.importorskip("submission")
+submission_sm90 = pytest.importorskip("submission_sm90")
 
 
 def _task_shapes():
@@ -32,7 +33,7 @@ SHAPES = _task_shapes() + _random_shapes(40, 5)
 def _decode(words, grid):
     """The kernel's reading of the work list (`tile_range`, `tile_at`): the partials' offset, and per CTA its
     parts of SM90_PART_WORDS words each."""
-    row = submission.SM90_PART_WORDS
+    row = submission_sm90.SM90_PART_WORDS
     header = (grid + 2 + row - 1) // row * row
     parts = [list(words[header + row * i: header + row * (i + 1)]) for i in range(words[grid + 1])]
     return words[0], [parts[words[1 + b]:words[2 + b]] for b in range(grid)]
@@ -43,8 +44,8 @@ def _decode(words, grid):
 @pytest.mark.parametrize("num_sms", [132, 8, 1])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"s{i}" for i in range(len(SHAPES))])
 def test_plan_covers_every_output_once(shape, num_sms, max_width, split_k):
-    plan = submission.plan_sm90_work(shape, num_sms, max_width, split_k)
-    widths = submission.SM90_WIDTHS
+    plan = submission_sm90.plan_sm90_work(shape, num_sms, max_width, split_k)
+    widths = submission_sm90.SM90_WIDTHS
     grid = len(plan.cta_tiles)
     assert 1 <= grid <= num_sms and all(plan.cta_tiles)
     tiles = {}  # (group, first row, width index, N tile) -> its parts
@@ -92,10 +93,10 @@ def _check_splits(plan, tiles):
         mine = set(range(min(first), min(first) + len(parts)))
         assert not mine & slots and max(mine) < plan.num_slots
         slots |= mine
-        assert all(count >= submission.SM90_MIN_PART_CHUNKS for _, count, _, _, _ in parts)
-        assert len(parts) <= submission.SM90_MAX_PARTS
+        assert all(count >= submission_sm90.SM90_MIN_PART_CHUNKS for _, count, _, _, _ in parts)
+        assert len(parts) <= submission_sm90.SM90_MAX_PARTS
         assert len({b for _, _, _, _, b in parts}) == len(parts)  # a CTA holds one part of a tile
-    assert len(counters) == plan.num_split_tiles <= submission.SM90_MAX_SPLIT_TILES
+    assert len(counters) == plan.num_split_tiles <= submission_sm90.SM90_MAX_SPLIT_TILES
     assert len(slots) == plan.num_slots
 
 
@@ -103,8 +104,8 @@ def test_the_128_row_build_runs_the_same_plan_where_no_tile_is_wider():
     # bench2 / bench3 plan only tiles of 96-128 rows, so `sm90_a16_mexact128` (four fp16 A buffers) runs the
     # very plan of `sm90_a16_mexact` there; bench0 / bench1 need 160- and 192-row tiles.
     for shape in _task_shapes()[-4:]:
-        full = submission.plan_sm90_work(shape, 132)
-        narrow = submission.plan_sm90_work(shape, 132, 128)
+        full = submission_sm90.plan_sm90_work(shape, 132)
+        narrow = submission_sm90.plan_sm90_work(shape, 132, 128)
         if max(w for _, w in full.splits) <= 128:
             assert narrow == full
         else:
@@ -113,10 +114,10 @@ def test_the_128_row_build_runs_the_same_plan_where_no_tile_is_wider():
 
 @pytest.mark.parametrize("shape", SHAPES[:20], ids=[f"s{i}" for i in range(20)])
 def test_work_list_words_decode_to_the_plan(shape):
-    plan = submission.plan_sm90_work(shape, 132)
+    plan = submission_sm90.plan_sm90_work(shape, 132)
     words = plan.words(12345)
     assert all(-1 <= w < 2 ** 31 for w in words)
-    flag = submission.SM90_SPLIT_FLAG  # a split part's flag in its chunks word
+    flag = submission_sm90.SM90_SPLIT_FLAG  # a split part's flag in its chunks word
     expect = [[[*t[:5], t[5] | (flag if t[6] >= 0 else 0), *t[6:]] for t in tiles] for tiles in plan.cta_tiles]
     assert _decode(words, len(plan.cta_tiles)) == (12345, expect)
 
@@ -127,14 +128,14 @@ def test_split_k_splits_where_whole_tiles_leave_sms_idle():
     # long K is spread over several SMs.
     shapes = _task_shapes()[-4:]
     for shape, expect_split in zip(shapes, (False, False, True, False)):
-        whole = submission.plan_sm90_work(shape, 132, 192, False)
-        plan = submission.plan_sm90_work(shape, 132, 192, True)
+        whole = submission_sm90.plan_sm90_work(shape, 132, 192, False)
+        plan = submission_sm90.plan_sm90_work(shape, 132, 192, True)
         assert (plan.num_split_tiles > 0) == expect_split, (shape, plan.num_split_tiles)
         assert plan.makespan <= whole.makespan
         if expect_split:
-            assert plan.makespan < submission.SM90_SPLIT_K_GAIN * whole.makespan
-    one = submission.plan_sm90_work(((200, 128, 7168, 1),), 132, 192, True)
-    alone = submission.plan_sm90_work(((200, 128, 7168, 1),), 132, 192, False)
+            assert plan.makespan < submission_sm90.SM90_SPLIT_K_GAIN * whole.makespan
+    one = submission_sm90.plan_sm90_work(((200, 128, 7168, 1),), 132, 192, True)
+    alone = submission_sm90.plan_sm90_work(((200, 128, 7168, 1),), 132, 192, False)
     assert one.num_split_tiles >= 1 and len(one.cta_tiles) > len(alone.cta_tiles)
     assert one.makespan < alone.makespan / 2
 
@@ -142,18 +143,18 @@ def test_split_k_splits_where_whole_tiles_leave_sms_idle():
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"s{i}" for i in range(len(SHAPES))])
 def test_split_k_plan_is_balanced(shape):
     num_sms = 132
-    plan = submission.plan_sm90_work(shape, num_sms)
-    loads = [sum(submission.sm90_part_cost(submission.SM90_WIDTHS[wi], chunks, split >= 0)
+    plan = submission_sm90.plan_sm90_work(shape, num_sms)
+    loads = [sum(submission_sm90.sm90_part_cost(submission_sm90.SM90_WIDTHS[wi], chunks, split >= 0)
                  for _, _, wi, _, _, chunks, split, _ in parts) for parts in plan.cta_tiles]
     assert max(loads) == pytest.approx(plan.makespan)
-    assert plan.makespan <= submission.plan_sm90_work(shape, num_sms, 192, False).makespan
+    assert plan.makespan <= submission_sm90.plan_sm90_work(shape, num_sms, 192, False).makespan
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"s{i}" for i in range(len(SHAPES))])
 def test_plan_is_balanced(shape):
     num_sms = 132
-    plan = submission.plan_sm90_work(shape, num_sms, 192, False)
-    costs = [[submission.sm90_tile_cost(submission.SM90_WIDTHS[part[2]], shape[part[0]][2]) for part in tiles]
+    plan = submission_sm90.plan_sm90_work(shape, num_sms, 192, False)
+    costs = [[submission_sm90.sm90_tile_cost(submission_sm90.SM90_WIDTHS[part[2]], shape[part[0]][2]) for part in tiles]
              for tiles in plan.cta_tiles]
     loads = [sum(c) for c in costs]
     assert max(loads) == pytest.approx(plan.makespan)
@@ -161,7 +162,7 @@ def test_plan_is_balanced(shape):
     biggest = max(c for cta in costs for c in cta)
     assert max(loads) <= sum(loads) / len(loads) + biggest + 1e-6
     # and the plan is never worse than 128-row tiles dealt round-robin (what the other variants do)
-    tiles128 = [submission.sm90_tile_cost(128, k) for m, n, k, _ in shape for _ in range(-(-m // 128) * (n // 128))]
+    tiles128 = [submission_sm90.sm90_tile_cost(128, k) for m, n, k, _ in shape for _ in range(-(-m // 128) * (n // 128))]
     rounds = [0.0] * min(num_sms, len(tiles128))
     for i, cost in enumerate(tiles128):
         rounds[i % len(rounds)] += cost
@@ -171,7 +172,7 @@ def test_plan_is_balanced(shape):
 def test_benchmark_plans_pad_less_than_128_row_tiles():
     # The point of M-exact tiles: the benchmarks' computed rows (incl. padding) drop well below 128-row tiles'.
     for shape in _task_shapes()[-4:-2]:  # benchmarks 0 and 1 (g = 8)
-        plan = submission.plan_sm90_work(shape, 132, 192, False)
+        plan = submission_sm90.plan_sm90_work(shape, 132, 192, False)
         rows = sum(s * w for s, w in plan.splits)
         rows128 = sum(-(-m // 128) * 128 for m, _, _, _ in shape)
         assert rows <= 0.9 * rows128, (plan.splits, rows, rows128)
@@ -183,7 +184,7 @@ def test_plan_of_a_large_moe_layer_is_quick():
     rng = random.Random(3)
     shape = tuple((rng.randint(1, 3000), 8192, 2048, 1) for _ in range(128))
     start = time.perf_counter()
-    plan = submission.plan_sm90_work(shape, 132)
+    plan = submission_sm90.plan_sm90_work(shape, 132)
     assert time.perf_counter() - start < 2.0  # ~0.1 s on a 2-core CI box
     assert plan.num_tiles == sum(s * 64 for s, _ in plan.splits)
 
@@ -191,10 +192,10 @@ def test_plan_of_a_large_moe_layer_is_quick():
 def test_auto_takes_the_128_row_build_only_where_the_plans_are_the_same():
     # sm90_auto: `sm90_a16_mexact128` (a deeper fp16 A ring) only where the widest build would run the very same
     # plan (bench3, measured 2 % faster); bench2's split-K plan needs 160-row tiles, bench0 / bench1 wider ones.
-    chosen = [submission.choose_sm90_config(list(shape), 132).max_width for shape in _task_shapes()[-4:]]
+    chosen = [submission_sm90.choose_sm90_config(list(shape), 132).max_width for shape in _task_shapes()[-4:]]
     assert chosen == [192, 192, 192, 128]
     for shape in _task_shapes():
-        config = submission.choose_sm90_config(list(shape), 132)
-        same = submission.plan_sm90_work(shape, 132, 128) == submission.plan_sm90_work(shape, 132, 192)
+        config = submission_sm90.choose_sm90_config(list(shape), 132)
+        same = submission_sm90.plan_sm90_work(shape, 132, 128) == submission_sm90.plan_sm90_work(shape, 132, 192)
         assert (config.max_width == 128) == same
-    assert submission.choose_sm90_config((), 132) is submission.SM90_VARIANT_CONFIGS["sm90_a16_mexact"]
+    assert submission_sm90.choose_sm90_config((), 132) is submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_mexact"]

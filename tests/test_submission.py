@@ -10,6 +10,7 @@ import torch
 
 import reference
 import submission
+import submission_sm90
 from bringup import FILE_RULES
 from conftest import ROOT
 
@@ -245,7 +246,7 @@ def test_programmatic_dependent_launch_is_a_compile_time_choice(monkeypatch):
     # so of the compile key: kernels built with and without it never mix.
     assert submission.USE_PDL == (os.environ.get("NVFP4_PDL", "1") == "1")
     for config in (submission.SM100_TILE_N128, submission.SM100_TILE_N64, submission.SM100_TILE_N256,
-                   *submission.SM90_VARIANT_CONFIGS.values()):
+                   *submission_sm90.SM90_VARIANT_CONFIGS.values()):
         assert config.use_pdl == submission.USE_PDL
     assert not hasattr(submission.SM100_CONFIG, "use_pdl")
     off = dataclasses.replace(submission.SM100_TILE_N128, use_pdl=False)
@@ -271,7 +272,7 @@ def test_set_pdl_changes_the_config_custom_kernel_runs(monkeypatch):
         assert config.use_pdl is on
         # the same tile as the table's choice, only the launch setting differs
         assert dataclasses.replace(config, use_pdl=False) == dataclasses.replace(
-            submission.choose_sm90_config(data[3], 132), use_pdl=False)
+            submission_sm90.choose_sm90_config(data[3], 132), use_pdl=False)
 
 
 def test_pinned_table_ring_hands_out_aligned_pieces_and_wraps(monkeypatch):
@@ -418,7 +419,7 @@ def test_launch_metadata_records_the_upload_of_its_staging_piece(monkeypatch):
         return lambda: calls.append(("upload", list(log)))
 
     monkeypatch.setattr(submission, "make_launcher", make_launcher)
-    config = submission.choose_sm90_config(data[3], 132)
+    config = submission_sm90.choose_sm90_config(data[3], 132)
     submission._build_launch_metadata(data, torch.device("cpu"), config)
     assert calls == [("upload", [])]  # the upload launched before any record
     assert log == [("new", 0), ("record", 0)]
@@ -443,7 +444,8 @@ def _stub_full_path(monkeypatch):
         return type("Metadata", (), {"launch_args": (1, 2, 3, 4, 5)})()
 
     monkeypatch.setattr(submission, "launch_metadata", launch_metadata)
-    monkeypatch.setattr(submission, "make_launcher", lambda kernel, args, *_: lambda: launches.append((kernel, args)))
+    monkeypatch.setattr(submission, "make_call_launcher", lambda num_groups, arch, config, kernel, metadata:
+                        lambda: launches.append((kernel, metadata.launch_args)))
     return seen, launches
 
 
@@ -627,3 +629,31 @@ def test_kernel_queue_event_records_on_the_legacy_default_queue(monkeypatch):
         event.record()
     event.close()
     assert driver.calls[-1] == ("destroy", 102) and event.handle is None
+
+
+def test_the_leaderboard_file_alone_names_the_missing_hopper_module(tmp_path):
+    # The leaderboard receives submission.py alone: it imports and serves a B200 without the Hopper module,
+    # and asking it for the Hopper backend says which file is missing, in one line.
+    for name in ("submission.py", "task.py", "utils.py"):
+        (tmp_path / name).write_text((ROOT / name).read_text())
+    probe = ("import submission\n"
+             "assert submission.backend_for_arch('sm_100a') is submission.SM100_BACKEND\n"
+             "try:\n"
+             "    submission.backend_for_arch('sm_90a')\n"
+             "except submission.UnsupportedDeviceError as err:\n"
+             "    print('ERR', err)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("ERR ") and "submission_sm90.py" in line and "B200 only" in line
+
+
+def test_the_hopper_backend_loads_from_beside_submission():
+    import submission_sm90
+
+    assert submission.backend_for_arch("sm_90a") is submission_sm90.BACKEND
+    assert submission.backend_of(submission_sm90.SM90_VARIANT_CONFIGS["sm90_tile128"]) is submission_sm90.BACKEND
+    with pytest.raises(submission.UnsupportedDeviceError, match="sm_80"):
+        submission.backend_for_arch("sm_80")
