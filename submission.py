@@ -14,8 +14,9 @@ contiguous bytes (padding rows exist, so no load runs out of bounds).
 
 Constraints (stated once, in `can_implement`): L == 1; any M >= 0; N a multiple of 128; K a multiple of
 256; the task generator's dense layouts; every tensor the kernel reads on one CUDA device, 16-byte aligned.
-A group with M = 0 has no tiles: the host drops it before the tables and the compile (the kernels are built
-per count of non-empty groups) and returns its C ([0, N, 1]) as given; if every group is empty, nothing is
+A group with M = 0 stays in the tables (the kernels are built per group count as given, so a MoE step whose
+set of empty experts changes compiles nothing) and costs nothing on the device: no tile, no TMA descriptor,
+no load; its C ([0, N, 1]) is returned as given. If every group is empty, nothing is
 launched and the C list comes back at once.
 
 How it runs on Blackwell (sm_100a): kernel variants (`KERNEL_VARIANT`, `set_variant`), newest first:
@@ -2045,7 +2046,8 @@ class GroupTensormapKernel:
 
     Grid (G, 1, 1), one warp per CTA: CTA g copies the GEMM's host-made descriptors (the same atoms, built
     by the GEMM's own `descriptor_atoms`) into shared memory, patches in group g's addresses and sizes
-    (`group_descriptor_tensors`) and releases them to workspace row g. Launched once per input set, on a
+    (`group_descriptor_tensors`) and releases them to workspace row g; an empty group's row stays unwritten
+    (no tile reads it). Launched once per input set, on a
     launch-metadata miss, after the table upload and ahead of the first GEMM on that workspace, on the same
     queue: the GEMM (launched with programmatic dependent launch) waits for it before its first global
     access and only acquires a row when its tile changes group.
@@ -2079,10 +2081,13 @@ class GroupTensormapKernel:
             ]
 
         storage = SmemAllocator().allocate(SharedStorage)
-        # Staging as a per-CTA row does, but released to row `group` (`patch` writes the CTA's row).
-        rows = TmaDescriptorRows(False, tensormaps, group, storage.tensormap_buffer.data_ptr())
-        rows.stage_from_atoms(atoms, slots, 0)
-        rows.patch(self.gemm.group_descriptor_tensors(ptr_table, size_table, group, tensormaps), atoms, slots, 0)
+        # An empty group (M = 0) has no tile, so no descriptor: TMA has no zero-length dimension.
+        if size_table[group, int(SizeColumn.M)] > 0:
+            # Staging as a per-CTA row does, but released to row `group` (`patch` writes the CTA's row).
+            rows = TmaDescriptorRows(False, tensormaps, group, storage.tensormap_buffer.data_ptr())
+            rows.stage_from_atoms(atoms, slots, 0)
+            rows.patch(self.gemm.group_descriptor_tensors(ptr_table, size_table, group, tensormaps), atoms, slots,
+                       0)
         prepare_workspace = getattr(self.gemm, "prepare_workspace", None)
         if cutlass.const_expr(prepare_workspace is not None):
             prepare_workspace(tensormaps, group)
@@ -2436,12 +2441,12 @@ def compile_for(num_groups: int, arch: Optional[str] = None, variant: Optional[s
 
 def build_kernels(problem_sizes, device: Optional[torch.device] = None) -> list:
     """Build, without launching, every kernel custom_kernel launches for groups of these sizes ((m, n, k, l)
-    each) on `device` (default: the current GPU), through custom_kernel's own choices and cache: groups with
-    M = 0 dropped, `kernel_config`'s kernel (SM90_VARIANT / KERNEL_VARIANT, the tile per problem), the GEMM
-    for LAUNCH_PATH, its other parts and the table upload. Returns their compile keys (none when
-    every group is empty). `eval.py bringup` builds each variant's kernels with it before its cases run."""
-    sizes = [tuple(size) for size in problem_sizes if size[0] != 0]
-    if not sizes:
+    each) on `device` (default: the current GPU), through custom_kernel's own choices and cache: built for
+    the group count as given, `kernel_config`'s kernel (the arch's variant, the tile per problem), the GEMM
+    for LAUNCH_PATH, its other parts and the table upload. Returns their compile keys (none when every group
+    is empty). `eval.py bringup` builds each variant's kernels with it before its cases run."""
+    sizes = [tuple(size) for size in problem_sizes]
+    if first_launched_group(sizes) is None:
         return []
     device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
     _check_device(device)
@@ -2554,8 +2559,9 @@ def can_implement(data) -> tuple:
     blocked scales with (not of a tensor with no elements: there is nothing to step through). The plain
     scales are not read: only their dtype and shape are checked, and they may stay on the CPU, as the
     task's generator leaves them. Then every tensor the kernel reads, i.e. those of the groups with M > 0,
-    must be on one CUDA device with 16-byte aligned data; a group with M = 0 is never launched (its empty
-    a, c and scales may have any address, even 0), and an input whose groups are all empty needs no device.
+    must be on one CUDA device with 16-byte aligned data; a group with M = 0 is never read or written (its
+    empty a, c and scales may have any address, even 0), and an input whose groups are all empty needs no
+    device.
     Layouts of all groups are checked before devices, so a wrong layout is reported as such on CPU tensors
     too.
     """
@@ -2692,14 +2698,9 @@ def forget_prepared_calls() -> None:
     _prepared_calls.clear()
 
 
-def non_empty_groups(data) -> tuple:
-    """The groups the kernels run: `data` without its groups of M = 0 (no tiles, nothing read or written),
-    a 4-tuple of new lists holding the same objects; `data` itself when no group is empty."""
-    sizes = data[3]
-    keep = [i for i, size in enumerate(sizes) if size[0] != 0]
-    if len(keep) == len(sizes):
-        return data
-    return tuple([part[i] for i in keep] for part in data)
+def first_launched_group(sizes) -> Optional[int]:
+    """The first group with M > 0 (its tensors name the device), or None when every group is empty."""
+    return next((i for i, size in enumerate(sizes) if size[0] != 0), None)
 
 
 def _launch_nothing() -> None:
@@ -2707,24 +2708,23 @@ def _launch_nothing() -> None:
 
 
 def _prepare_call(data) -> _PreparedCall:
-    """The full path: constraint check, empty groups dropped, device check, compile (cached), launch metadata
-    (cached). The entry returns every group's C; only the non-empty groups reach the tables and the kernels,
-    which are compiled for their count. With every group empty nothing is checked on the device, compiled or
-    launched."""
+    """The full path: constraint check, device check, compile (cached per group count), launch metadata
+    (cached). Every group, empty ones included, reaches the tables; the kernels give an empty group no tile.
+    With every group empty nothing is checked on the device, compiled or launched."""
     ok, reason = can_implement(data)
     if not ok:
         raise ValueError(reason)
     abc, _, sfr, sizes = data
-    launched = non_empty_groups(data)
-    if launched[3]:
-        device = launched[0][0][0].device
+    first = first_launched_group(sizes)
+    if first is not None:
+        device = abc[first][0].device
         _check_device(device)
-        config = kernel_config(launched, device)
-        kernel = compiled_gemm(len(launched[3]), _target_arch(device), config)
+        config = kernel_config(data, device)
+        kernel = compiled_gemm(len(sizes), _target_arch(device), config)
     variant, launch_path, pdl = KERNEL_VARIANT, LAUNCH_PATH, USE_PDL
-    if launched[3]:
-        metadata = launch_metadata(launched, device, config)
-        launch = make_call_launcher(len(launched[3]), _target_arch(device), config, kernel, metadata)
+    if first is not None:
+        metadata = launch_metadata(data, device, config)
+        launch = make_call_launcher(len(sizes), _target_arch(device), config, kernel, metadata)
     else:
         metadata, launch = None, _launch_nothing
     entry = _PreparedCall(lists=(abc, sfr, sizes), items=(tuple(abc), tuple(sfr), tuple(sizes)),
@@ -2742,7 +2742,7 @@ def custom_kernel(data: input_t) -> output_t:
 
     Raises ValueError(reason) when `can_implement` rejects the input, UnsupportedDeviceError on a GPU that
     is neither a B200 (sm_100) nor a Hopper (sm_90); both before anything is compiled or launched. A repeated call on the same input
-    objects skips straight to the launch (`_prepared_call`). A group with M = 0 is not launched and its C
+    objects skips straight to the launch (`_prepared_call`). A group with M = 0 has no tile and its C
     (shape [0, N, 1]) is in the list as given; with every group empty nothing is launched. The kernels run on
     the legacy default queue of the current device (module docstring: "Which GPU queue").
     """

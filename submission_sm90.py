@@ -244,6 +244,8 @@ def _sm90_makespan(problem_sizes, splits: list, num_sms: int) -> float:
     meets to within one tile and which costs O(G) instead of a simulation of every tile."""
     count, total, largest = 0, 0.0, 0.0
     for (m, n, k, _), s in zip(problem_sizes, splits):
+        if s == 0:  # an empty group: no tile
+            continue
         cost = sm90_tile_cost(_sm90_split_width(m, s), k)
         count += s * (n // 128)
         total += s * (n // 128) * cost

@@ -199,3 +199,21 @@ def test_auto_takes_the_128_row_build_only_where_the_plans_are_the_same():
         same = submission_sm90.plan_sm90_work(shape, 132, 128) == submission_sm90.plan_sm90_work(shape, 132, 192)
         assert (config.max_width == 128) == same
     assert submission_sm90.choose_sm90_config((), 132) is submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_mexact"]
+
+
+@pytest.mark.parametrize("split_k", [False, True])
+def test_empty_groups_change_nothing_but_the_group_numbers(split_k):
+    # Empty groups stay in the tables (one compile per group count): the plan must be the one of the
+    # non-empty groups alone, with each tile's group renumbered to its place among all groups.
+    full = ((0, 4096, 7168, 1), (40, 4096, 7168, 1), (0, 4096, 7168, 1), (200, 4096, 7168, 1),
+            (8, 4096, 7168, 1), (0, 4096, 7168, 1))
+    kept = [g for g, size in enumerate(full) if size[0]]
+    dense = tuple(full[g] for g in kept)
+    for max_width in (128, 192):
+        with_empty = submission_sm90.plan_sm90_work(full, 132, max_width, split_k)
+        without = submission_sm90.plan_sm90_work(dense, 132, max_width, split_k)
+        renumbered = tuple(tuple((kept[t[0]], *t[1:]) for t in tiles) for tiles in without.cta_tiles)
+        assert with_empty.cta_tiles == renumbered
+        assert with_empty.makespan == without.makespan
+        assert [with_empty.splits[g] for g in kept] == list(without.splits)
+        assert all(with_empty.splits[g][0] == 0 for g in range(len(full)) if g not in kept)

@@ -528,15 +528,10 @@ def test_generator_and_reference_handle_m_zero():
     assert out[0] is c and out[0].shape == (0, 128, 1)
 
 
-def test_non_empty_groups_keeps_the_same_objects_in_order():
-    data = _data(m=(0, 64, 0, 40), n=(128, 256, 384, 128), k=(256, 512, 256, 768))
-    kept = submission.non_empty_groups(data)
-    assert [s[0] for s in kept[3]] == [64, 40]
-    for part, kept_part in zip(data, kept):
-        assert len(kept_part) == 2 and kept_part[0] is part[1] and kept_part[1] is part[3]
-    full = _data()
-    assert submission.non_empty_groups(full) is full  # nothing to drop: no copies
-    assert submission.non_empty_groups(_data(m=(0, 0), n=(128, 128), k=(256, 256)))[3] == []
+def test_first_launched_group_skips_the_empty_ones():
+    assert submission.first_launched_group([(0, 128, 256, 1), (0, 256, 256, 1), (8, 128, 256, 1)]) == 2
+    assert submission.first_launched_group([(64, 128, 256, 1)]) == 0
+    assert submission.first_launched_group([(0, 128, 256, 1), (0, 128, 512, 1)]) is None
 
 
 def test_all_empty_input_returns_every_c_and_launches_nothing(monkeypatch):
@@ -552,20 +547,32 @@ def test_all_empty_input_returns_every_c_and_launches_nothing(monkeypatch):
     assert again is not out and all(o is c for o, c in zip(again, cs))
 
 
-def test_mixed_empty_groups_launch_only_the_non_empty_ones(monkeypatch):
+def test_empty_groups_stay_in_the_tables_and_the_compile(monkeypatch):
+    # One compile per group count as given: the empty groups reach the tables (the kernels give them no
+    # tile), so a new pattern of empty groups needs no new kernel.
     seen, launches = _stub_full_path(monkeypatch)
     data = _data(m=(0, 64, 0, 40), n=(128, 256, 384, 128), k=(256, 512, 256, 768))
     cs = [c for _, _, c in data[0]]
     out = submission.custom_kernel(data)
     assert len(out) == 4 and all(o is c for o, c in zip(out, cs))  # every C, in order, the same objects
-    assert seen["num_groups"] == 2 and seen["config_sizes"] == [data[3][1], data[3][3]]
-    kept = seen["metadata_data"]
-    assert [x is y for x, y in zip(kept[0], (data[0][1], data[0][3]))] == [True, True]
-    assert kept[2][0] is data[2][1] and kept[3] == [data[3][1], data[3][3]]
-    assert seen["device"] == data[0][1][0].device
+    assert seen["num_groups"] == 4 and seen["config_sizes"] is data[3]
+    assert seen["metadata_data"] is data
+    assert seen["device"] == data[0][1][0].device  # the first non-empty group's
     assert launches == [("kernel", (1, 2, 3, 4, 5))]
     again = submission.custom_kernel(data)  # the prepared call: launches again, every C again
     assert len(launches) == 2 and all(o is c for o, c in zip(again, cs))
+
+
+def test_a_new_pattern_of_empty_groups_keeps_the_compile_key():
+    # What the kernels are compiled for holds the group count, never which groups are empty.
+    config = submission.SM100_TILE_N128
+    sizes = [[(0, 4096, 7168, 1), (8, 4096, 7168, 1), (24, 4096, 7168, 1)],
+             [(5, 4096, 7168, 1), (0, 4096, 7168, 1), (0, 4096, 7168, 1)]]
+    keys = {submission.compile_key(len(s), "sm_100a", config) for s in sizes}
+    assert len(keys) == 1
+    # ... while the launch metadata key tells them apart (the tables differ)
+    assert submission.num_output_tiles(sizes[0], config.tile_mn) == 2 * 32
+    assert submission.num_output_tiles(sizes[1], config.tile_mn) == 32
 
 
 class FakeDriver:
