@@ -2,6 +2,7 @@
 
     python bench.py [FILE] [--repeats N] [--plot roofline.png] [--skip-slow] [--launch-paths P,Q] [--no-humming]
     python bench.py [FILE] --pdl-ab ROUNDS
+    python bench.py --moe [--moe-cases A,B] [--moe-calls N] [--moe-patterns N]
 
 For every benchmark case of FILE (default task.yml) it times, each on the same 15 input sets:
   kernel         submission.custom_kernel(data)
@@ -21,6 +22,10 @@ With --launch-paths (names from submission.LAUNCH_PATHS) it also times the kerne
 launch path, side by side, next to the host cost of one small torch kernel launch.
 With --pdl-ab it only times the kernel with and without programmatic dependent launch (submission.set_pdl),
 alternating in ROUNDS rounds in one process on the same inputs, and prints medians and paired differences.
+With --moe it runs bench_moe.py's cases instead: routed-expert GEMMs of DeepSeek-V3 and Qwen3-30B-A3B layers
+(128-256 experts, top-8 routing with skewed popularity, some experts empty, full-range values), the kernel
+against torch._grouped_mm and a cuBLAS loop on bf16, the fp4-bytes and bf16 floors, the first call's time
+and its compiles; a markdown table on stdout (bench_moe.py's docstring says how).
 Notes under the table say whether humming passed the check (and its worst |err|/tol), or why its column is
 absent (humming-kernels not importable, or --no-humming).
 """
@@ -43,6 +48,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import bench_moe  # noqa: E402
 import harness  # noqa: E402  (cases, work counts)
 import reference  # noqa: E402
 from utils import clear_l2_cache_large, verbose_allclose  # noqa: E402
@@ -387,6 +393,12 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _non_negative_int(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
+    return int(text)
+
+
 def plot_problem(path: str):
     """Why a plot cannot be written to `path` (checked before any timing, which takes minutes), or None."""
     try:
@@ -417,6 +429,10 @@ def _launch_path_names() -> tuple:
 
 
 def main(argv=None) -> int:
+    if "--moe" in (sys.argv[1:] if argv is None else argv):
+        # Before the DSL is imported (the parser's help imports the submission): the first call's time must
+        # include real compiles, not the DSL's disk cache.
+        os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
     parser = harness.OneLineArgumentParser(prog="bench.py", description=__doc__,
                                       formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"),
@@ -430,7 +446,17 @@ def main(argv=None) -> int:
                         help="only time the kernel with and without programmatic dependent launch, alternating")
     parser.add_argument("--no-humming", action="store_true",
                         help="leave out the humming-kernels column (its first run per shape compiles for minutes)")
+    moe = parser.add_argument_group("MoE benchmark")
+    moe.add_argument("--moe", action="store_true", help="run the MoE cases (bench_moe.py) instead of FILE's")
+    moe.add_argument("--moe-cases", metavar="A,B", help="only these MoE cases, comma-separated: "
+                     + ", ".join(case.name for case in bench_moe.MOE_CASES))
+    moe.add_argument("--moe-calls", type=_positive_int, metavar="N", help="timed calls per method (median; 20)")
+    moe.add_argument("--moe-patterns", type=_non_negative_int, metavar="N",
+                     help="later calls on tokens routed anew, for the compile count (3)")
     args = parser.parse_args(argv)
+    problem = bench_moe.options_problem(args, {dest: parser.get_default(dest) for dest in vars(args)})
+    if problem:
+        return harness.usage_error("bench.py", problem)
     # Every mistake is reported before the GPU check and before any timing.
     problem = plot_problem(args.plot) if args.plot else None
     if problem:
@@ -464,6 +490,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         return harness.usage_error("bench.py", f"no usable CUDA GPU (torch {torch.__version__}, "
                                           "torch.cuda.is_available() is False)")
+    if args.moe:
+        return bench_moe.main(args, submission)
     by_path = []  # (case, {path: (kernel µs, host µs)})
 
     if args.pdl_ab:

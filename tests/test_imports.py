@@ -69,7 +69,7 @@ def test_find_cycle_sees_one():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-@pytest.mark.parametrize("module", ["harness", "bringup", "eval", "bench"])
+@pytest.mark.parametrize("module", ["harness", "bringup", "eval", "bench", "bench_moe"])
 def test_each_module_imports_alone_in_a_fresh_interpreter(module):
     # What importing it pulls in of the others, at import time (function-level imports come later, if ever).
     probe = (f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); import {module}; "
@@ -82,5 +82,5 @@ def test_each_module_imports_alone_in_a_fresh_interpreter(module):
     assert module in loaded
     if module != "eval":
         assert "eval" not in loaded, loaded
-    if module in ("harness", "bench"):
+    if module in ("harness", "bench", "bench_moe"):
         assert "bringup" not in loaded, loaded
