@@ -33,7 +33,7 @@ import dataclasses
 import enum
 import functools
 import heapq
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Optional
 
 import torch
@@ -142,10 +142,12 @@ def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
     """M-exact tiles with A converted once per call, for every problem: on the H200 they were faster than or
     level with every other variant on each benchmark (docs/HOPPER_NOTES.md v11); their plan
     (`plan_sm90_work`) already weighs tile widths and split-K against filling the SMs. The build for widths
-    up to 128 (`sm90_a16_mexact128`, one fp16 A buffer more) where the widest build's plan has no wider tile,
-    so both run the very same plan (bench3: 2.0 % faster on the H200, v17); else `sm90_a16_mexact` (bench2,
-    whose split-K plan takes 160-row tiles: 11 % slower at 128; bench0 / bench1, not measured at 128).
-    No sizes (`compile_for`): `sm90_a16_mexact`."""
+    up to 128 (`sm90_a16_mexact128`, one fp16 A buffer more: a deeper A prefetch the plan's model does not
+    see) wherever its plan's predicted makespan is no longer than the widest build's; else
+    `sm90_a16_mexact`. Measured on the H200 (docs/HOPPER_NOTES.md v17, v22): equal plans (bench3) 2.0 %
+    faster at 128, equal makespans with different plans (bench0) 6 % faster at 128; where the 128 plan is
+    predicted longer (bench1: 19 %, bench2: 19 %) it measured 16 % and 11 % slower. Empty groups do not
+    count. No sizes (`compile_for`): `sm90_a16_mexact`."""
     sizes = tuple(tuple(size) for size in problem_sizes if size[0] != 0)
     return _choose_sm90_config(sizes, num_sms)
 
@@ -154,8 +156,8 @@ def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
 def _choose_sm90_config(sizes: tuple, num_sms: int) -> Sm90GemmConfig:
     """`choose_sm90_config` once per problem shape (comparing two plans is O(tiles))."""
     wide, narrow = SM90_VARIANT_CONFIGS["sm90_a16_mexact"], SM90_VARIANT_CONFIGS["sm90_a16_mexact128"]
-    if sizes and (plan_sm90_work(sizes, num_sms, narrow.max_width, narrow.split_k)
-                  == plan_sm90_work(sizes, num_sms, wide.max_width, wide.split_k)):
+    if sizes and (plan_sm90_work(sizes, num_sms, narrow.max_width, narrow.split_k).makespan
+                  <= plan_sm90_work(sizes, num_sms, wide.max_width, wide.split_k).makespan):
         return narrow
     return wide
 
@@ -1541,6 +1543,8 @@ def sm90_gemm_args(raw_args: tuple) -> tuple:
 
 # An H100 SXM / H200: only what choose_sm90_config weighs when compile_for has no sizes; nothing is baked in.
 SM90_COMPILE_SMS = 132
+# Weight shapes whose "sm90_auto" build is remembered (`Sm90Backend.config`).
+SM90_AUTO_CHOICES = 256
 
 
 class Sm90Backend(KernelBackend):
@@ -1550,10 +1554,22 @@ class Sm90Backend(KernelBackend):
     config_types = (Sm90GemmConfig,)
     variant_configs = SM90_VARIANT_CONFIGS
 
+    def __init__(self):
+        # "sm90_auto"'s build per weight shape (G, each group's N and K) and SM count: the first call of a
+        # shape chooses it, later calls with other M (MoE routing: other experts empty) keep it, so a new
+        # pattern never switches to the other build, which would compile (seconds) in a serving loop.
+        self._auto_choice: "OrderedDict[tuple, Sm90GemmConfig]" = OrderedDict()
+
     def config(self, sizes, num_sms: int) -> Sm90GemmConfig:
         if SM90_VARIANT in SM90_VARIANT_CONFIGS:
             return SM90_VARIANT_CONFIGS[SM90_VARIANT]
-        return choose_sm90_config(sizes, num_sms)
+        shape = (tuple((n, k) for _, n, k, _ in sizes), num_sms)
+        config = self._auto_choice.get(shape)
+        if config is None:
+            config = self._auto_choice[shape] = choose_sm90_config(sizes, num_sms)
+            if len(self._auto_choice) > SM90_AUTO_CHOICES:
+                self._auto_choice.popitem(last=False)
+        return config
 
     def compile_config(self, variant: Optional[str]) -> Sm90GemmConfig:
         if variant is not None:

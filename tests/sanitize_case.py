@@ -1,9 +1,10 @@
 """The workload of tests/test_gpu_sanitizer.py, run under compute-sanitizer in its own process.
 
 `python tests/sanitize_case.py VARIANT [VARIANT ...]`: for each Hopper variant ("two_launch": sm90_a16_mexact
-with `Sm90GemmConfig.a16_fused=False`), two multi-group inputs (the
-case that first showed a racecheck hazard, and one whose rings wrap many times with group changes in every
-CTA), outputs poisoned with NaN, checked against the reference after the run. Exits 1 on a wrong result.
+with `Sm90GemmConfig.a16_fused=False`), three multi-group inputs (the case that first showed a racecheck
+hazard, one whose rings wrap many times with group changes in every CTA, and a MoE-like one of 256 groups,
+most of them empty), outputs poisoned with NaN, checked against the reference after the run. Exits 1 on a
+wrong result.
 """
 import dataclasses
 import sys
@@ -14,7 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import reference  # noqa: E402
 import submission  # noqa: E402
-import submission_sm90
+import submission_sm90  # noqa: E402
+
+MOE_GROUPS = 256
 
 CASES = (
     # the hazard's reproducer: three groups, the 768-k one wraps the stage ring
@@ -22,6 +25,9 @@ CASES = (
     # more groups than fit one tile per CTA, long K: every ring wraps, tiles change group inside a CTA
     dict(m=(40, 72, 200, 7, 130, 64), n=(256, 512, 128, 384, 256, 128), k=(2048, 1024, 768, 512, 1536, 256),
          g=6, seed=21),
+    # MoE: 256 experts, about two in three empty (first and last among them), the rest 1-40 rows
+    dict(m=tuple(0 if e % 3 != 1 else 1 + (13 * e) % 40 for e in range(MOE_GROUPS)), n=(128,) * MOE_GROUPS,
+         k=(256,) * MOE_GROUPS, g=MOE_GROUPS, seed=23),
 )
 
 
@@ -42,7 +48,7 @@ def main(variants) -> int:
             out = submission.custom_kernel(data)
             torch.cuda.synchronize()
             ok, message = reference.check_implementation(expect, out)
-            print(f"{variant} {case['m']}: {'ok' if ok else 'WRONG ' + message}", flush=True)
+            print(f"{variant} g={case['g']} m={case['m'][:8]}: {'ok' if ok else 'WRONG ' + message}", flush=True)
             bad += not ok
     return 1 if bad else 0
 

@@ -733,9 +733,9 @@ def test_build_kernels_compiles_what_custom_kernel_launches(monkeypatch, arch, v
     sizes = [(0, 256, 256, 1), (200, 256, 1024, 1), (64, 4096, 7168, 1)]
     device = torch.device("cuda", 0)
     keys = submission.build_kernels(sizes, device)
-    config = submission.kernel_config((None, None, None, sizes[1:]), device)  # M = 0 dropped, as custom_kernel does
-    expected = [submission.compile_key(2, arch, config, part) for part in submission.kernel_parts(config)]
-    expected.append(submission.compile_key(2, arch, submission.TABLE_UPLOAD_CONFIG, "upload"))
+    config = submission.kernel_config((None, None, None, sizes), device)  # empty groups kept, as custom_kernel does
+    expected = [submission.compile_key(3, arch, config, part) for part in submission.kernel_parts(config)]
+    expected.append(submission.compile_key(3, arch, submission.TABLE_UPLOAD_CONFIG, "upload"))
     assert keys == expected and sorted(map(repr, compiled)) == sorted(map(repr, expected))
     assert submission.build_kernels([(0, 256, 256, 1)], device) == []
 

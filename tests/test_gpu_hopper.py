@@ -10,6 +10,11 @@ import torch
 
 import harness
 import reference
+
+try:
+    import submission_sm90
+except ImportError:  # no nvidia-cutlass-dsl: every test here is skipped
+    submission_sm90 = None
 from conftest import cuda_capability, load_task_yml
 
 HOPPER = cuda_capability() == (9, 0)
@@ -47,6 +52,9 @@ EDGE_CASES = {
     "widths": dict(m=[1, 32, 33, 64, 97, 128, 150, 192, 193, 400, 1000], n=[4096, 256, 512, 128, 3072, 256, 1024,
                                                                          128, 2048, 512, 1024],
                    k=[256, 512, 256, 768, 256, 512, 256, 256, 512, 256, 256], g=11, seed=13),
+    # empty groups (M = 0) first, last and between, beside every width: they stay in the tables, no tile
+    "empty_groups": dict(m=[0, 40, 0, 200, 1, 0], n=[256, 512, 128, 256, 384, 128], k=[512, 256, 768, 512, 256, 256],
+                         g=6, seed=15),
     # split-K: few tiles of long K, so the plan splits them across up to SM90_MAX_PARTS CTAs each
     "split_k": dict(m=[1, 192, 65, 300], n=[128, 128, 256, 128], k=[7168, 4096, 2048, 6144], g=4, seed=14),
 }
@@ -56,16 +64,16 @@ EDGE_CASES = {
 def sm90(request, monkeypatch):
     """The submission, with the Hopper tile variant forced where the test asks for one."""
     import submission
-
     import submission_sm90
+
     config = getattr(request, "param", "auto")
     if config in ("two_launch", "whole_tiles"):  # sm90_a16_mexact with one config field changed
         field = {"two_launch": "a16_fused", "whole_tiles": "split_k"}[config]
         forced = dataclasses.replace(submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], **{field: False})
-        monkeypatch.setattr(submission, "choose_sm90_config", lambda sizes, num_sms: forced)
+        monkeypatch.setattr(submission_sm90, "choose_sm90_config", lambda sizes, num_sms: forced)
     elif config != "auto":
         forced = submission_sm90.SM90_VARIANT_CONFIGS[config]
-        monkeypatch.setattr(submission, "choose_sm90_config", lambda sizes, num_sms: forced)
+        monkeypatch.setattr(submission_sm90, "choose_sm90_config", lambda sizes, num_sms: forced)
     return submission
 
 
@@ -155,7 +163,7 @@ def test_split_k_is_used_and_deterministic(sm90, name):
     args = EDGE_CASES[name]
     shape = tuple(harness.case_sizes(args))
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert sm90.plan_sm90_work(shape, num_sms).num_split_tiles > 0
+    assert submission_sm90.plan_sm90_work(shape, num_sms).num_split_tiles > 0
     data = reference.generate_input(**args)
     first = [c.clone() for c in sm90.custom_kernel(data)]
     for _ in range(3):
@@ -166,3 +174,31 @@ def test_split_k_is_used_and_deterministic(sm90, name):
         assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(first, again))
     ok, msg = reference.check_implementation(_clone(data), first)
     assert ok, msg
+
+
+MOE_EXPERTS = 64
+
+
+def _moe_pattern(tokens: list, seed: int):
+    """MoE-like input: one group per expert, `tokens[e]` rows each (0: an empty expert)."""
+    return reference.generate_input(m=tokens, n=[256] * MOE_EXPERTS, k=[512] * MOE_EXPERTS, g=MOE_EXPERTS, seed=seed)
+
+
+@pytest.mark.parametrize("sm90", ["auto", "sm90_tile128"], indirect=True)
+def test_a_new_pattern_of_empty_experts_compiles_nothing(sm90, monkeypatch):
+    # A decode loop: the set of empty experts changes every step, the expert count does not. After one
+    # warm-up call no pattern compiles anything, and every output is written and right.
+    warm = [1 + (7 * e) % 40 if e % 3 else 0 for e in range(MOE_EXPERTS)]
+    _check(sm90, None, _moe_pattern(warm, 1))
+    compiles = []
+    real_compile = sm90._compile
+    monkeypatch.setattr(sm90, "_compile", lambda key: compiles.append(key) or real_compile(key))
+    only_one = [0] * MOE_EXPERTS
+    only_one[MOE_EXPERTS // 2] = 5
+    first_last_empty = [0] + [8 + e % 24 for e in range(1, MOE_EXPERTS - 1)] + [0]
+    gen = torch.Generator().manual_seed(5)
+    skewed = [int(x) for x in (torch.randint(0, 3, (MOE_EXPERTS,), generator=gen) * torch.randint(
+        0, 60, (MOE_EXPERTS,), generator=gen))]
+    for seed, tokens in enumerate((only_one, first_last_empty, skewed), start=2):
+        _check(sm90, None, _moe_pattern(tokens, seed))
+    assert compiles == [], [key[1] for key in compiles]
