@@ -2080,17 +2080,22 @@ class GroupTensormapKernel:
                 cute.struct.MemRange[cutlass.Int64, len(slots) * TENSORMAP_BYTES // 8], TENSORMAP_BYTES
             ]
 
-        storage = SmemAllocator().allocate(SharedStorage)
+        buffer = SmemAllocator().allocate(SharedStorage).tensormap_buffer.data_ptr()
         # An empty group (M = 0) has no tile, so no descriptor: TMA has no zero-length dimension.
         if size_table[group, int(SizeColumn.M)] > 0:
-            # Staging as a per-CTA row does, but released to row `group` (`patch` writes the CTA's row).
-            rows = TmaDescriptorRows(False, tensormaps, group, storage.tensormap_buffer.data_ptr())
-            rows.stage_from_atoms(atoms, slots, 0)
-            rows.patch(self.gemm.group_descriptor_tensors(ptr_table, size_table, group, tensormaps), atoms, slots,
-                       0)
+            self.write_row(atoms, ptr_table, size_table, tensormaps, group, buffer)
         prepare_workspace = getattr(self.gemm, "prepare_workspace", None)
         if cutlass.const_expr(prepare_workspace is not None):
             prepare_workspace(tensormaps, group)
+
+    @cute.jit
+    def write_row(self, atoms: tuple, ptr_table: cute.Tensor, size_table: cute.Tensor, tensormaps: cute.Tensor,
+                  group: cutlass.Int32, buffer: cute.Pointer):
+        """Group `group`'s descriptors, staged in `buffer` as a per-CTA row is, released to row `group`."""
+        slots = self.gemm.descriptor_slots
+        rows = TmaDescriptorRows(False, tensormaps, group, buffer)
+        rows.stage_from_atoms(atoms, slots, 0)
+        rows.patch(self.gemm.group_descriptor_tensors(ptr_table, size_table, group, tensormaps), atoms, slots, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------
