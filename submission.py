@@ -27,9 +27,7 @@ How it runs on Blackwell (sm_100a): kernel variants (`KERNEL_VARIANT`, `set_vari
   shared-memory ring, warp 4 issues tcgen05 block-scaled MMAs into one of two tensor-memory accumulators,
   warps 0-3 move the finished accumulator to registers, fp16, shared memory and out by TMA store (rows past
   M clipped by the TMA unit). Each group's five TMA descriptors are written once per input set by a small
-  preparation kernel (`GroupTensormapKernel`); the GEMM only acquires them.
-* "persistent_per_cta": the same kernel with CUTLASS's descriptor scheme: each CTA keeps its own five
-  descriptors and rewrites them when its next tile is in another group.
+  preparation kernel (`GroupTensormapKernel`); the GEMM only acquires them and never rewrites one.
 * "seed" (`Sm100BlockScaledGroupedGemmKernel`): the leaderboard seed's proven structure, one CTA per
   128x128 tile, warp 0 loads and multiplies with one stage, SIMT epilogue. The last fallback.
 docs/B200_DESIGN.md has the design, per-benchmark predictions and what no B200 has checked yet.
@@ -263,12 +261,9 @@ class Sm100PersistentConfig(Sm100TileConfig):
     epi_tile_n: int = 32
     # At least two C slices in flight; spare shared memory adds more.
     min_c_stages: int = 2
-    # Barriers (2 per A/B and accumulator stage), the tensor-memory address and the five 128-byte TMA
-    # descriptors fit in the first 1 KiB, ahead of the 1024-byte aligned buffers.
+    # Barriers (2 per A/B and accumulator stage) and the tensor-memory address fit in the first 1 KiB,
+    # ahead of the 1024-byte aligned buffers.
     smem_header_bytes: int = 1024
-    # True: each group's descriptors written once per input set by a preparation kernel, roles only
-    # acquire them. False: CUTLASS's grouped example, each CTA patches its own copy on a group change.
-    descriptors_up_front: bool = True
     # Programmatic dependent launch (USE_PDL).
     use_pdl: bool = USE_PDL
 
@@ -285,10 +280,6 @@ class Sm100PersistentConfig(Sm100TileConfig):
             raise ValueError(f"{self.tmem_cols_used} tensor-memory columns needed, {SM100_TMEM_COLUMNS} exist")
         if self.num_ab_stages < 2:
             raise ValueError("fewer than 2 A/B stages fit in shared memory")
-
-    def workspace_rows(self, num_groups: int, num_ctas):
-        """Descriptor rows of the workspace: one per group, or one per CTA (descriptors_up_front=False)."""
-        return num_groups if self.descriptors_up_front else num_ctas
 
     @property
     def ab_stage_bytes(self) -> int:
@@ -333,8 +324,7 @@ class Sm100PersistentConfig(Sm100TileConfig):
         return cols
 
     def resources(self) -> dict:
-        return dict(kernel="Sm100PersistentGroupedGemmKernel", descriptors_up_front=self.descriptors_up_front,
-                    tile_mnk=self.mma_tiler_mnk,
+        return dict(kernel="Sm100PersistentGroupedGemmKernel", tile_mnk=self.mma_tiler_mnk,
                     threads=32 * len(Sm100Warp), ab_stages=self.num_ab_stages, ab_stage_bytes=self.ab_stage_bytes,
                     acc_stages=self.num_acc_stages, c_stages=self.num_c_stages, c_stage_bytes=self.c_stage_bytes,
                     smem_bytes=self.smem_bytes, smem_budget=DYNAMIC_SMEM_BUDGET,
@@ -374,14 +364,13 @@ SM100_TILE_TABLE = (SM100_TILE_N128, SM100_TILE_N64, SM100_TILE_N256)  # the fir
 #                         what compile_for builds)
 #   "persistent_n64", "persistent_n128", "persistent_n256"
 #                         the same kernel with one tile-table row forced
-#   "persistent_per_cta"  128x128 tiles, descriptors patched per CTA on a group change (CUTLASS example)
 #   "seed"                one CTA per 128x128 tile, one stage, SIMT epilogue (the leaderboard seed)
+# (CUTLASS's per-CTA descriptor patching, once a rung here, is retired: docs/B200_DESIGN.md, section 1.)
 VARIANT_CONFIGS = {
     "persistent": SM100_TILE_N128,
     "persistent_n64": SM100_TILE_N64,
     "persistent_n128": SM100_TILE_N128,
     "persistent_n256": SM100_TILE_N256,
-    "persistent_per_cta": Sm100PersistentConfig(descriptors_up_front=False),
     "seed": SM100_CONFIG,
 }
 # Variants whose tile comes from the table per problem.
@@ -1300,12 +1289,12 @@ class TmaDescriptorRows:
 
     The workspace is rows of `len(Sm100TensorMapSlot)` 128-byte descriptors.
 
-    up_front=True: row g holds group g's descriptors, written before the kernel by a preparation kernel
-      (`GroupTensormapKernel`). A role only acquires a group's row (fence.proxy.tensormap acquire)
+    up_front=True (the GEMMs): row g holds group g's descriptors, written before the kernel by a preparation
+      kernel (`GroupTensormapKernel`). A role only acquires a group's row (fence.proxy.tensormap acquire)
       when its tile changes group; `stage_from_atoms` and `patch` are never needed.
-    up_front=False (CUTLASS's grouped example): row b belongs to CTA b. `stage_from_atoms` copies the
-      host-made descriptors into this CTA's shared-memory staging slots once; `patch` rewrites a group's
-      address and sizes there and releases the result to the row; `acquire` then fences the row.
+    up_front=False (the preparation kernel, whose CTA b writes row b): `stage_from_atoms` copies the
+      host-made descriptors into the CTA's shared-memory staging slots; `patch` rewrites a group's
+      address and sizes there and releases the result to the row.
 
     A DSL value (the role loops carry it); its runtime parts are the workspace tensor, the CTA index and
     the shared-memory staging pointer.
@@ -1885,17 +1874,13 @@ class Sm100PersistentGroupedGemmKernel:
       c    PipelineTmaStore  num_c_stages    epilogue warp 0's bulk groups (wait until a slice's store has
                                              read shared memory before the slice is rewritten)
 
-    Descriptors (config.descriptors_up_front):
-      True   one row of 5 descriptors per group, written once per input set by `prepare_tensormaps`
-             (`GroupTensormapKernel`, one CTA per group) before the first launch on it; the roles
-             only acquire (fence.proxy.tensormap) a group's row when their tile changes group.
-      False  CUTLASS's grouped example: one row per CTA; the TMA warp (A/B/SFA/SFB) and epilogue warp 0 (C)
-             copy the host-made descriptors to shared memory once, and when the tile's group changes patch
-             address and sizes there, release the row to global memory and acquire it.
+    Descriptors: one row of 5 per group, written once per input set by `GroupTensormapKernel` (one CTA per
+    group) before the first launch on it; the roles only acquire (fence.proxy.tensormap) a group's row when
+    their tile changes group and never rewrite one, so no TMA load or store is ever in flight on a
+    descriptor being rewritten (the race of NVIDIA/cutlass #3165).
 
     Tensor memory: num_acc_stages x 128 fp32 columns of accumulator, then one K step of SFA and of SFB.
-    Shared memory: header (barriers, tensor-memory address, 5 staging descriptors), C slices, A, B, SFA,
-    SFB stages.
+    Shared memory: header (barriers, tensor-memory address), C slices, A, B, SFA, SFB stages.
     """
 
     threads_per_cta = 32 * len(Sm100Warp)
@@ -1910,9 +1895,8 @@ class Sm100PersistentGroupedGemmKernel:
         self.num_c_stages = config.num_c_stages
 
     @staticmethod
-    def tensormap_workspace_bytes(config: Sm100PersistentConfig, num_groups: int, num_ctas: int) -> int:
-        rows = config.workspace_rows(num_groups, num_ctas)
-        return rows * Sm100PersistentGroupedGemmKernel.num_tensormaps * TENSORMAP_BYTES
+    def tensormap_workspace_bytes(num_groups: int) -> int:
+        return num_groups * Sm100PersistentGroupedGemmKernel.num_tensormaps * TENSORMAP_BYTES
 
     # -----------------------------------------------------------------------------------------------------
     # Host side: MMA, shared-memory layouts, TMA atoms on placeholder tensors, launch
@@ -1982,16 +1966,13 @@ class Sm100PersistentGroupedGemmKernel:
         num_groups: cutlass.Constexpr[int],
     ):
         cfg = self.config
-        ptr_table, size_table = group_tables(ptr_table_ptr, size_table_ptr, num_groups)
-        tensormaps = descriptor_table(tensormap_workspace_ptr, self.config.workspace_rows(num_groups, num_ctas),
-                                      self.num_tensormaps)
+        # The pointer table is the preparation kernel's: the GEMM reads sizes and descriptors only.
+        _, size_table = group_tables(ptr_table_ptr, size_table_ptr, num_groups)
+        tensormaps = descriptor_table(tensormap_workspace_ptr, num_groups, self.num_tensormaps)
         setup = self._tma_setup()
 
         @cute.struct
         class SharedStorage:
-            tensormap_buffer: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Int64, self.num_tensormaps * TENSORMAP_BYTES // 8], TENSORMAP_BYTES
-            ]
             ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_ab_stages * 2]
             acc_mbar: cute.struct.MemRange[cutlass.Int64, self.num_acc_stages * 2]
             tmem_holding_buf: cutlass.Int32
@@ -2016,7 +1997,7 @@ class Sm100PersistentGroupedGemmKernel:
         # No smem argument: the DSL sizes dynamic shared memory from the kernel's allocation.
         self.kernel(
             setup.tiled_mma, setup.tiled_mma_sfb, *setup.tma_atoms, *setup.tma_tensors,
-            ptr_table, size_table, tensormaps, num_tiles,
+            size_table, tensormaps, num_tiles,
             setup.a_smem_layout_staged, setup.b_smem_layout_staged, setup.sfa_smem_layout_staged,
             setup.sfb_smem_layout_staged, setup.c_smem_layout_staged, setup.epi_tile, setup.ab_stage_bytes,
         ).launch(grid=(num_ctas, 1, 1), block=(self.threads_per_cta, 1, 1), cluster=(1, 1, 1), use_pdl=cfg.use_pdl)
@@ -2039,7 +2020,6 @@ class Sm100PersistentGroupedGemmKernel:
         mSFA_mkl: cute.Tensor,
         mSFB_nkl: cute.Tensor,
         mC_mnl: cute.Tensor,
-        ptr_table: cute.Tensor,
         size_table: cute.Tensor,
         tensormaps: cute.Tensor,
         num_tiles: cutlass.Int32,
@@ -2104,9 +2084,8 @@ class Sm100PersistentGroupedGemmKernel:
         # (MMA, MMA_N, MMA_K, STAGE)
         sSFB = storage.sSFB.get_tensor(sfb_smem_layout_staged)
 
-        # ---- TMA descriptors: workspace rows (per group or per CTA) and shared-memory staging copies -------
-        descriptors = TmaDescriptorRows(self.config.descriptors_up_front, tensormaps, cta_idx,
-                                        storage.tensormap_buffer.data_ptr())
+        # ---- TMA descriptors: the workspace's row per group, prepared before this launch -------------------
+        descriptors = TmaDescriptorRows(True, tensormaps, cta_idx)
 
         # ---- global tiles (coordinate tensors of the placeholder shapes; the descriptors bound them) ------
         # (bM, bK, RestM, RestK, RestL)
@@ -2144,8 +2123,8 @@ class Sm100PersistentGroupedGemmKernel:
         tma_atoms = (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb)
 
         if warp_idx == Sm100Warp.TMA:
-            self._load_role(scheduler, num_tiles, cta_idx, num_ctas, ptr_table, size_table, ab_pipeline,
-                            descriptors, tma_atoms, (sA, sB, sSFA, sSFB), (tCgA, tCgB, tCgSFA, tCgSFB))
+            self._load_role(scheduler, num_tiles, cta_idx, num_ctas, size_table, ab_pipeline, descriptors,
+                            tma_atoms, (sA, sB, sSFA, sSFB), (tCgA, tCgB, tCgSFA, tCgSFB))
         if warp_idx == Sm100Warp.MMA:
             tmem.wait_for_alloc()
             acc_tmem_ptr = tmem.retrieve_ptr(cfg.acc_dtype)
@@ -2156,9 +2135,8 @@ class Sm100PersistentGroupedGemmKernel:
             tmem.allocate(cfg.tmem_alloc_cols)
             tmem.wait_for_alloc()
             acc_tmem_ptr = tmem.retrieve_ptr(cfg.acc_dtype)
-            self._epilogue_role(scheduler, num_tiles, cta_idx, num_ctas, warp_idx, tidx, ptr_table, size_table,
-                                acc_pipeline, acc_tmem_ptr, tCtAcc_layout, descriptors, tma_atom_c, sC, tCgC,
-                                epi_tile)
+            self._epilogue_role(scheduler, num_tiles, cta_idx, num_ctas, warp_idx, tidx, size_table, acc_pipeline,
+                                acc_tmem_ptr, tCtAcc_layout, descriptors, tma_atom_c, sC, tCgC, epi_tile)
             # Every epilogue thread has read its last accumulator (and the MMA warp has written its last:
             # the epilogue waited for it) before the columns are given back.
             tmem.relinquish_alloc_permit()
@@ -2170,10 +2148,9 @@ class Sm100PersistentGroupedGemmKernel:
     # Warp 5: TMA producer
     # -----------------------------------------------------------------------------------------------------
     @cute.jit
-    def _load_role(self, scheduler, num_tiles, cta_idx, num_ctas, ptr_table, size_table, ab_pipeline,
-                   descriptors, tma_atoms, smem_tensors, gmem_partitions):
+    def _load_role(self, scheduler, num_tiles, cta_idx, num_ctas, size_table, ab_pipeline, descriptors, tma_atoms,
+                   smem_tensors, gmem_partitions):
         cfg = self.config
-        tma_warp = int(Sm100Warp.TMA)
         # ((atom_v, rest_v), STAGE) and ((atom_v, rest_v), RestMN, RestK, RestL) per operand; the scale
         # tensors broadcast over the 16 k-elements of a block (stride 0), so those modes are dropped.
         partitions = [cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 3),
@@ -2181,7 +2158,6 @@ class Sm100PersistentGroupedGemmKernel:
                       for atom, sX, tCgX in zip(tma_atoms, smem_tensors, gmem_partitions)]
         tma_smem = [tXsX for tXsX, _ in partitions[:2]] + [cute.filter_zeros(tXsX) for tXsX, _ in partitions[2:]]
         tma_gmem = [tXgX for _, tXgX in partitions[:2]] + [cute.filter_zeros(tXgX) for _, tXgX in partitions[2:]]
-        descriptors.stage_from_atoms(tma_atoms, LOAD_SLOTS, tma_warp)
 
         producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_ab_stages)
         group, group_first, group_tiles = scheduler.first_state()
@@ -2190,19 +2166,9 @@ class Sm100PersistentGroupedGemmKernel:
         while tile_idx < num_tiles:
             group, group_first, group_tiles = scheduler.find_group(tile_idx, group, group_first, group_tiles)
             m = size_table[group, int(SizeColumn.M)]
-            n = size_table[group, int(SizeColumn.N)]
             k = size_table[group, int(SizeColumn.K)]
             tile_m_idx, tile_n_idx = scheduler.tile_coord(tile_idx, group_first, m)
             group_changed = group != last_group
-            if cutlass.const_expr(not descriptors.up_front):
-                if group_changed:
-                    # NOTES: as in CUTLASS's grouped block-scaled example, loads already issued with the
-                    # old descriptor are not drained first.
-                    group_tensors = make_operand_tensors(
-                        ptr_table[group, int(PtrColumn.A)], ptr_table[group, int(PtrColumn.B)],
-                        ptr_table[group, int(PtrColumn.SFA)], ptr_table[group, int(PtrColumn.SFB)],
-                        m, n, k, cfg.ab_dtype, cfg.sf_dtype, cfg.sf_vec_size)
-                    descriptors.patch(group_tensors, tma_atoms, LOAD_SLOTS, tma_warp)
             k_tile_cnt = (k + (self.tile_k - 1)) // self.tile_k
             # ((atom_v, rest_v), RestK)
             # An N = 64 tile's scales are half of the 128-row SFB block its pair of tiles shares.
@@ -2326,14 +2292,13 @@ class Sm100PersistentGroupedGemmKernel:
     # Warps 0-3: epilogue (tensor memory -> registers -> fp16 -> shared memory -> TMA store)
     # -----------------------------------------------------------------------------------------------------
     @cute.jit
-    def _epilogue_role(self, scheduler, num_tiles, cta_idx, num_ctas, warp_idx, tidx, ptr_table, size_table,
-                       acc_pipeline, acc_tmem_ptr, tCtAcc_layout, descriptors, tma_atom_c, sC, tCgC, epi_tile):
+    def _epilogue_role(self, scheduler, num_tiles, cta_idx, num_ctas, warp_idx, tidx, size_table, acc_pipeline,
+                       acc_tmem_ptr, tCtAcc_layout, descriptors, tma_atom_c, sC, tCgC, epi_tile):
         cfg = self.config
         store_warp = int(Sm100Warp.EPILOGUE0)
         epilogue_barrier = pipeline.NamedBarrier(barrier_id=Sm100BarrierId.EPILOGUE,
                                                  num_threads=32 * self.num_epilogue_warps)
         c_slot = (Sm100TensorMapSlot.C,)
-        descriptors.stage_from_atoms((tma_atom_c,), c_slot, store_warp)
 
         # (MMA, MMA_M, MMA_N, ACC_STAGE)
         tCtAcc_base = cute.make_tensor(acc_tmem_ptr, tCtAcc_layout)
@@ -2376,14 +2341,8 @@ class Sm100PersistentGroupedGemmKernel:
         while tile_idx < num_tiles:
             group, group_first, group_tiles = scheduler.find_group(tile_idx, group, group_first, group_tiles)
             m = size_table[group, int(SizeColumn.M)]
-            n = size_table[group, int(SizeColumn.N)]
             tile_m_idx, tile_n_idx = scheduler.tile_coord(tile_idx, group_first, m)
             group_changed = group != last_group
-            if cutlass.const_expr(not descriptors.up_front):
-                if group_changed:
-                    # Waits (inside) until this warp's earlier stores have read shared memory, then patches.
-                    c_tensor = make_output_tensor(ptr_table[group, int(PtrColumn.C)], m, n, cfg.c_dtype)
-                    descriptors.patch((c_tensor,), (tma_atom_c,), c_slot, store_warp)
             # ((ATOM_V, REST_V), EPI)
             bSG_gC = cute.group_modes(bSG_gC_all[(None, None, None, tile_m_idx, tile_n_idx, 0)], 1, 3)
             # (T2R, T2R_M, T2R_N, EPI)
@@ -2429,7 +2388,7 @@ class Sm100PersistentGroupedGemmKernel:
 
 class GroupTensormapKernel:
     """Writes every group's TMA descriptors for a GEMM whose descriptors are prepared up front (the Blackwell
-    persistent kernel with descriptors_up_front, and the Hopper kernel): both arches run this code.
+    persistent kernel and the Hopper kernel): both arches run this code.
 
     Grid (G, 1, 1), one warp per CTA: CTA g copies the GEMM's host-made descriptors (the same atoms, built
     by the GEMM's own `descriptor_atoms`) into shared memory, patches in group g's addresses and sizes
@@ -3577,9 +3536,9 @@ def compile_key(num_groups: int, arch: str, config=None, part: str = "gemm") -> 
 
     The group count is static (the size and pointer tables' layouts); the target arch and the DSL version
     decide the code; the config (its class names the kernel) holds tile shape, stages, dtypes and the
-    descriptor scheme; `part` is "gemm" or, for descriptors_up_front, "tensormaps" (the preparation
-    kernel). Problem sizes, pointers, tile count and grid size are not in it: the kernels read them at run
-    time. `config` defaults to the one of KERNEL_VARIANT.
+    descriptor scheme; `part` is "gemm" or, for the kernels with descriptors up front, "tensormaps" (the
+    preparation kernel). Problem sizes, pointers, tile count and grid size are not in it: the kernels read
+    them at run time. `config` defaults to the one of KERNEL_VARIANT.
     """
     if config is None:
         config = variant_config(KERNEL_VARIANT)
@@ -3770,7 +3729,7 @@ def kernel_parts(config) -> tuple:
     if isinstance(config, Sm90GemmConfig):
         separate_convert = config.a16_prepass and not config.a16_fused
         return ("gemm", "tensormaps", "convert") if separate_convert else ("gemm", "tensormaps")
-    if isinstance(config, Sm100PersistentConfig) and config.descriptors_up_front:
+    if isinstance(config, Sm100PersistentConfig):
         return ("gemm", "tensormaps")
     return ("gemm",)
 
@@ -4012,7 +3971,7 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
         counts = (0 if work_list is None else work_list.data_ptr(), num_tiles, num_ctas)
     elif isinstance(config, Sm100PersistentConfig):
         num_ctas = min(num_tiles, _device_sm_count(device.index))
-        workspace_bytes = Sm100PersistentGroupedGemmKernel.tensormap_workspace_bytes(config, len(data[3]), num_ctas)
+        workspace_bytes = Sm100PersistentGroupedGemmKernel.tensormap_workspace_bytes(len(data[3]))
         counts = (num_tiles, num_ctas)
     else:
         num_ctas = num_tiles
