@@ -1284,6 +1284,32 @@ def make_output_tensor(c_addr, m, n, c_dtype):
                                                                       cute.assume(m * n, 128))))
 
 
+# NOTES: NVIDIA driver 595.71.05 release notes, known issues: on Blackwell, cuTensorMapEncodeTiled (and
+# ...Im2col) may set bit 85 of a TMA descriptor, the 128 KB out-of-bounds address mode, wrongly when the
+# tensor's allocation is under 128 KB and the tensor is not dense and non-overlapping: sporadic illegal
+# memory accesses or MMU faults. The workaround NVIDIA gives, which CUTLASS C++ and Triton apply after
+# encoding, is to clear the bit: bit 21 of the descriptor's 64-bit word 1. Every descriptor a B200 kernel
+# here uses starts as a copy of a template the DSL encoded on the host (a TMA atom made on placeholder
+# tensors, by whichever encoder that DSL version calls), and `tensormap.replace` patches address, sizes and
+# strides without touching that bit; so the bit is cleared on the device, in the copy staged in shared memory
+# before it is released, which covers the templates of every DSL version. Blackwell only: Hopper's
+# descriptors (sm_90a) keep every bit as encoded.
+TMA_DESC_OOB_128K_WORD = 1
+TMA_DESC_OOB_128K_BIT = 21
+
+
+@cute.jit
+def clear_oob_128k_bit(smem_ptrs: tuple):
+    """Clears bit 85 (the 128 KB out-of-bounds address mode) of each TMA descriptor staged in shared memory
+    at `smem_ptrs` (Int64 pointers), from one lane of the calling warp, then syncs the warp so that its later
+    `tensormap.replace` and release see the cleared word. Blackwell only (see the NOTES above)."""
+    with cute.arch.elect_one():
+        for smem_ptr in smem_ptrs:
+            words = cute.make_tensor(smem_ptr, cute.make_layout(TENSORMAP_BYTES // 8))
+            words[TMA_DESC_OOB_128K_WORD] = words[TMA_DESC_OOB_128K_WORD] & ~(1 << TMA_DESC_OOB_128K_BIT)
+    cute.arch.sync_warp()
+
+
 class TmaDescriptorRows:
     """Where a kernel's TMA descriptors live in its global workspace, and how a warp role gets them.
 
@@ -1344,6 +1370,11 @@ class TmaDescriptorRows:
         if not self.up_front:
             for atom, slot in zip(atoms, slots):
                 self.manager.init_tensormap_from_atom(atom, self._smem_ptr(slot), warp_id)
+
+    def clear_oob_128k_bit(self, slots: tuple):
+        """Per-CTA rows only, Blackwell only, by the staging warp between `stage_from_atoms` and `patch`: bit
+        85 of the staged descriptors cleared (`clear_oob_128k_bit`)."""
+        clear_oob_128k_bit(tuple(self._smem_ptr(slot) for slot in slots))
 
     def patch(self, tensors: tuple, atoms: tuple, slots: tuple, warp_id: int):
         """Per-CTA rows only: staging slots rewritten for `tensors`, released to this CTA's row."""
@@ -1719,10 +1750,12 @@ class Sm100BlockScaledGroupedGemmKernel:
     # -----------------------------------------------------------------------------------------------------
     @cute.jit
     def _write_tensormaps(self, warp_idx, tensormap_manager, tma_atoms, group_tensors, gmem_ptrs, smem_ptrs):
-        """Copy the host-made descriptors to shared memory, patch in the group's tensors, release to gmem."""
+        """Copy the host-made descriptors to shared memory, clear their bit 85 (`clear_oob_128k_bit`), patch in
+        the group's tensors, release to gmem."""
         if warp_idx == 0:
             for atom, smem_ptr in zip(tma_atoms, smem_ptrs):
                 tensormap_manager.init_tensormap_from_atom(atom, smem_ptr, 0)
+            clear_oob_128k_bit(smem_ptrs)
             tensormap_manager.update_tensormap(group_tensors, tma_atoms, gmem_ptrs, 0, smem_ptrs)
             for gmem_ptr_ in gmem_ptrs:
                 tensormap_manager.fence_tensormap_update(gmem_ptr_)
@@ -1886,6 +1919,8 @@ class Sm100PersistentGroupedGemmKernel:
     threads_per_cta = 32 * len(Sm100Warp)
     num_epilogue_warps = 4
     num_tensormaps = len(Sm100TensorMapSlot)
+    # `GroupTensormapKernel` clears bit 85 of this kernel's descriptors (Blackwell: see clear_oob_128k_bit).
+    clears_oob_128k_bit = True
 
     def __init__(self, config: Sm100PersistentConfig):
         self.config = config
@@ -2391,7 +2426,8 @@ class GroupTensormapKernel:
     persistent kernel and the Hopper kernel): both arches run this code.
 
     Grid (G, 1, 1), one warp per CTA: CTA g copies the GEMM's host-made descriptors (the same atoms, built
-    by the GEMM's own `descriptor_atoms`) into shared memory, patches in group g's addresses and sizes
+    by the GEMM's own `descriptor_atoms`) into shared memory, clears their bit 85 where the GEMM says
+    `clears_oob_128k_bit` (the Blackwell one), patches in group g's addresses and sizes
     (`group_descriptor_tensors`) and releases them to workspace row g. Launched once per input set, on a
     launch-metadata miss, after the table upload and ahead of the first GEMM on that workspace, on the same
     queue: the GEMM (launched with programmatic dependent launch) waits for it before its first global
@@ -2429,6 +2465,8 @@ class GroupTensormapKernel:
         # Staging as a per-CTA row does, but released to row `group` (`patch` writes the CTA's row).
         rows = TmaDescriptorRows(False, tensormaps, group, storage.tensormap_buffer.data_ptr())
         rows.stage_from_atoms(atoms, slots, 0)
+        if cutlass.const_expr(getattr(self.gemm, "clears_oob_128k_bit", False)):
+            rows.clear_oob_128k_bit(slots)
         rows.patch(self.gemm.group_descriptor_tensors(ptr_table, size_table, group, tensormaps), atoms, slots, 0)
         prepare_workspace = getattr(self.gemm, "prepare_workspace", None)
         if cutlass.const_expr(prepare_workspace is not None):
