@@ -1099,7 +1099,7 @@ class LaunchMetadata:
     """Device data of one launch, kept alive as long as its cache entry."""
 
     tables: torch.Tensor  # device buffer of the pointer table int64 [G, PtrColumn] and size table int32 [G, SizeColumn]
-    workspace: torch.Tensor  # TMA descriptors (seed: 4 per tile; persistent: 5 per group or per CTA)
+    workspace: torch.Tensor  # TMA descriptors (seed: 4 per tile; persistent: 5 per group)
     num_tiles: int
     num_ctas: int
     launch_args: tuple  # plain ints the GEMM is launched with: the three table addresses, then its counts
