@@ -1556,28 +1556,62 @@ def bringup_main(argv: list) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The B200 tile rows the task's shapes pick (docs/B200_DESIGN.md, section 3, is this table)
+# The B200 tile rows the task's shapes and MoE layers pick (docs/B200_DESIGN.md, section 3, is these tables)
 # ---------------------------------------------------------------------------------------------------------
-def tile_choice_table(num_sms: int = 148) -> str:
-    """Markdown table: for every task.yml test and benchmark, the row of the tile table that
-    submission.choose_sm100_config picks on `num_sms` SMs (variant "persistent"), with the number of tiles
-    and the model's time (sm100_predicted_us, µs) of every row. A row in parentheses is not a candidate
-    (N = 256 needs every N to be a multiple of 256)."""
+# MoE layers the task's shapes come from, in decode (every expert of a layer gets a few tokens): name,
+# routed experts, (N, K) of each of its GEMMs.
+MOE_LAYERS = (("DeepSeek-V3", 256, ((4096, 7168), (7168, 2048))),
+              ("Qwen3-30B-A3B", 128, ((1536, 2048), (2048, 768))))
+MOE_TOKENS = (8, 40)  # tokens per expert, the same for every expert; and a mix drawn from 8..40 (seed 0)
+
+
+def moe_cases() -> list:
+    """(label, problem sizes) of each MoE GEMM of MOE_LAYERS with MOE_TOKENS tokens per expert, and with
+    8-40 tokens per expert drawn uniformly (random.Random(0))."""
+    import random
+
+    cases = []
+    for name, experts, shapes in MOE_LAYERS:
+        for n, k in shapes:
+            counts = [(str(t), [t] * experts) for t in MOE_TOKENS]
+            draw = random.Random(0)
+            counts.append(("8-40", [draw.randint(8, 40) for _ in range(experts)]))
+            cases += [(f"{name} N {n} K {k}, M {label}", [(m, n, k, 1) for m in ms]) for label, ms in counts]
+    return cases
+
+
+def _tile_rows_table(cases: list, num_sms: int) -> str:
+    """Markdown table: for each (label, problem sizes), its group count, the number of tiles and the model's
+    time (sm100_predicted_us, µs) of every row of the tile table, and the row submission.choose_sm100_config
+    picks on `num_sms` SMs (variant "persistent"). A row in parentheses is not a candidate (N = 256 needs every
+    N to be a multiple of 256)."""
     import submission
 
     rows = submission.SM100_TILE_TABLE
     name = lambda row: f"{row.tile_mn[0]}×{row.tile_mn[1]}"  # noqa: E731
     lines = ["| case | G | " + " | ".join(f"{name(row)}: tiles, model µs" for row in rows) + " | chosen |",
              "| --- | --- | " + " | ".join("---" for _ in rows) + " | --- |"]
+    for label, sizes in cases:
+        cells = []
+        for row in rows:
+            cell = (f"{submission.num_output_tiles(sizes, row.tile_mn)}, "
+                    f"{submission.sm100_predicted_us(sizes, row, num_sms):.2f}")
+            candidate = all(n % row.tile_mn[1] == 0 for _, n, _, _ in sizes)
+            cells.append(cell if candidate else f"({cell})")
+        chosen = name(submission.choose_sm100_config(sizes, num_sms))
+        lines.append(f"| {label} | {len(sizes)} | " + " | ".join(cells) + f" | {chosen} |")
+    return "\n".join(lines)
+
+
+def tile_choice_table(num_sms: int = 148) -> str:
+    """_tile_rows_table of every task.yml test and benchmark ("test 1", ..., "bench 1", ...)."""
+    cases = []
     for section, label in (("tests", "test"), ("benchmarks", "bench")):
         for i, case in enumerate(harness.load_cases(str(TASK_YML), section)):
-            sizes = [(m, n, k, 1) for m, n, k in zip(case.args["m"], case.args["n"], case.args["k"])]
-            cells = []
-            for row in rows:
-                cell = (f"{submission.num_output_tiles(sizes, row.tile_mn)}, "
-                        f"{submission.sm100_predicted_us(sizes, row, num_sms):.2f}")
-                candidate = all(n % row.tile_mn[1] == 0 for _, n, _, _ in sizes)
-                cells.append(cell if candidate else f"({cell})")
-            chosen = name(submission.choose_sm100_config(sizes, num_sms))
-            lines.append(f"| {label} {i + 1} | {case.args['g']} | " + " | ".join(cells) + f" | {chosen} |")
-    return "\n".join(lines)
+            cases.append((f"{label} {i + 1}", harness.case_sizes(case.args)))
+    return _tile_rows_table(cases, num_sms)
+
+
+def moe_tile_choice_table(num_sms: int = 148) -> str:
+    """_tile_rows_table of the MoE GEMMs of moe_cases()."""
+    return _tile_rows_table(moe_cases(), num_sms)
