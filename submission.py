@@ -1293,10 +1293,10 @@ def make_output_tensor(c_addr, m, n, c_dtype):
                                                                       cute.assume(m * n, 128))))
 
 
-# NOTES: NVIDIA driver 595.71.05 release notes, known issues: on Blackwell, cuTensorMapEncodeTiled (and
-# ...Im2col) may set bit 85 of a TMA descriptor, the 128 KB out-of-bounds address mode, wrongly when the
-# tensor's allocation is under 128 KB and the tensor is not dense and non-overlapping: sporadic illegal
-# memory accesses or MMU faults. The workaround NVIDIA gives, which CUTLASS C++ and Triton apply after
+# NOTES: NVIDIA driver 595.71.05 release notes, known issues: on Blackwell, cuTensorMapEncodeTiled and
+# cuTensorMapEncodeIm2col may set bit 85 of a TMA descriptor, the 128 KB out-of-bounds address mode, wrongly
+# when the tensor's allocation is under 128 KB and the tensor is not dense and non-overlapping: sporadic
+# illegal memory accesses or MMU faults. The workaround NVIDIA gives, which CUTLASS C++ and Triton apply after
 # encoding, is to clear the bit: bit 21 of the descriptor's 64-bit word 1. Every descriptor a B200 kernel
 # here uses starts as a copy of a template the DSL encoded on the host (a TMA atom made on placeholder
 # tensors, by whichever encoder that DSL version calls), and `tensormap.replace` patches address, sizes and
