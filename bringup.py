@@ -4,7 +4,7 @@ export share.
 
 bringup (needs a B200, or an H100/H200 for the Hopper tiles):
 
-    python eval.py bringup [--quick] [--json PATH] [--variants a,b] [--timeout S] [--jobs N]
+    python eval.py bringup [--quick] [--json PATH] [--variants a,b] [--timeout S] [--jobs N] [--sanitizer]
 
 0. checks what needs no GPU first: the variant names (either arch's), task.yml and every case's shape
    against the kernel's rules (submission.check_problem_sizes); a mistake is one line and exit status 2;
@@ -20,13 +20,20 @@ bringup (needs a B200, or an H100/H200 for the Hopper tiles):
    input, then the same input objects again: the prepared-call path), the output poisoned with NaN before
    each call and compared with the runner's check (reference.check_implementation). Progress lines carry an
    estimate of the time left ("[build 3/42, ~40 s left]"). The DSL keeps compiled kernels per process only
-   (cute.compile bypasses its file cache), hence a case runs in the worker that built its kernels;
-3. times the task.yml benchmarks of every variant that failed no case, one at a time on the otherwise idle
+   (cute.compile bypasses its file cache), hence a case runs in the worker that built its kernels. Then the
+   runner's own pattern with every result checked (job_pattern): each benchmark's 15 input sets called back
+   to back, in several batches on the same inputs, outputs NaN-poisoned before each batch; and on a B200 the
+   TMA descriptors of one call of the skewed case read back from the launch's workspace, bit 85 reported
+   per group and operand (job_descriptors: the kernels clear it; a set bit fails the variant);
+3. times the task.yml benchmarks of every variant that failed no check, one at a time on the otherwise idle
    GPU, each in the worker that built its kernels, with eval.py's benchmark method (the runner's: CUDA
    events around 15 calls on 15 inputs, L2 flushed before each batch); `--quick` caps each benchmark at
    QUICK_MAX_REPEATS repeats. On a B200 the tile model's time (submission.sm100_predicted_us) stands beside
    each benchmark of a persistent variant, in the table and the JSON ("predicted_us");
-4. recommends the fastest variant (geometric mean over the benchmarks) that passed every case, with the one
+4. with --sanitizer, runs the runner's pattern on every benchmark again under compute-sanitizer memcheck,
+   once with programmatic dependent launch and once without (NVFP4_PDL), each in a fresh process
+   (run_sanitizer; skipped with a note where compute-sanitizer is not installed); an error fails the variant;
+5. recommends the fastest variant (geometric mean over the benchmarks) that passed every check, with the one
    line of submission.py that makes it the default and the `eval.py export` command that writes that copy.
 
 Every worker process runs one variant, selected through the environment before it imports the submission
@@ -253,7 +260,14 @@ EDGE_CASES = {
                 k=tuple(256 * (1 + (5 * i) % 7) for i in range(16)), g=16, seed=27),
     "n128": dict(m=(128, 256, 40, 512), n=(128, 128, 128, 128), k=(512, 1024, 256, 256), g=4, seed=28),
     "mixed": dict(m=(8, 200, 1, 384), n=(4096, 128, 768, 256), k=(1536, 256, 7168, 512), g=4, seed=29),
+    # Skewed groups (NVIDIA/cutlass #3165 faulted on such with a descriptor rewritten under in-flight loads):
+    # M = 8 beside M = 8192 at K = 7168, N from 256 to 7168; a CTA of the round-robin crosses groups of
+    # 1 to 128 tiles. Every N a multiple of 256, so every forced tile runs it. Also the case whose prepared
+    # descriptors bringup reads back on a B200 (job_descriptors).
+    "skewed": dict(m=(8, 8192, 8, 200), n=(4096, 256, 7168, 1536), k=(7168, 7168, 7168, 7168), g=4, seed=30),
 }
+# The case job_descriptors runs on a B200.
+DESCRIPTOR_CASE = "skewed"
 # Groups with M = 0 (an empty group among others, first and last, all of them): run only where the
 # submission's can_implement accepts them (m0_accepted).
 M0_CASES = {
@@ -300,6 +314,19 @@ def build_cases(tests: list, accepts_m0: Callable[[dict], bool]) -> list:
         case["args"] = {key: list(v) if isinstance(v, tuple) else v for key, v in case["args"].items()}
         case["spec"] = _case_spec(case["args"])
     return cases
+
+
+def pattern_case_args(args: dict, count: int = harness.NUM_ITERATIONS_PER_BENCHMARK) -> list:
+    """The input sets of the runner's timing pattern for one benchmark case: `count` of them, the seed
+    advanced by 42 before each, as the runner's harness (harness._run_single_benchmark) makes them; `args`
+    itself is left as it is."""
+    sets = []
+    for index in range(count):
+        one = dict(args)
+        if "seed" in one:
+            one["seed"] = args["seed"] + 42 * (index + 1)
+        sets.append(one)
+    return sets
 
 
 def not_applicable(args: dict, tile_n: Optional[int]) -> Optional[str]:
@@ -423,6 +450,117 @@ def job_benchmark(test, max_repeats: int, max_time_ns: float) -> dict:
         return dict(status="ok", mean_us=result.mean / 1e3, err_us=result.err / 1e3, best_us=result.best / 1e3,
                     worst_us=result.worst / 1e3, runs=result.runs, seconds=seconds)
     return dict(status="fail", error=first_line(result), cuda_ok=_cuda_usable(), seconds=seconds)
+
+
+def _tuples(args: dict) -> dict:
+    return {key: tuple(v) if isinstance(v, list) else v for key, v in args.items()}
+
+
+def pattern_failures(expected: list, outputs: list, check: Callable) -> list:
+    """(index, first line of the check's message) of every output in `outputs` that `check(expected[i],
+    outputs[i])` (the runner's check_implementation) rejects."""
+    failures = []
+    for index, (data, out) in enumerate(zip(expected, outputs)):
+        good, message = check(data, out)
+        if not good:
+            failures.append((index, first_line(message)))
+    return failures
+
+
+def job_pattern(args: dict, repeats: int) -> dict:
+    """The runner's timing pattern, with every result checked: the 15 input sets of a benchmark
+    (pattern_case_args) called back to back without a sync in between, the same input objects in each of
+    `repeats` batches (after the first, every call takes the prepared-call path, as in the timed repeats);
+    every output poisoned with NaN before each batch, so a call that writes nothing fails too, and every one
+    checked after it (the runner's leaderboard mode re-checks, but never poisons)."""
+    import torch
+
+    from reference import check_implementation, generate_input
+    from submission import custom_kernel
+
+    start = time.perf_counter()
+    inputs = [generate_input(**_tuples(one)) for one in pattern_case_args(args)]
+    expected = harness._clone_data(inputs)  # the runner's check writes the reference's result into these
+    for batch in range(1, repeats + 1):
+        try:
+            for data in inputs:
+                for _, _, c in data[0]:
+                    c.fill_(float("nan"))
+            torch.cuda.synchronize()
+            outputs = [custom_kernel(data) for data in inputs]
+            torch.cuda.synchronize()
+        except Exception as err:
+            return dict(status="error", error=f"batch {batch}: {first_line(err)}", cuda_ok=_cuda_usable(),
+                        seconds=round(time.perf_counter() - start, 2))
+        failures = pattern_failures(expected, outputs, check_implementation)
+        if failures:
+            index, message = failures[0]
+            return dict(status="fail", error=f"batch {batch}, input {index + 1} of {len(inputs)}: {message}",
+                        wrong=len(failures), batch=batch, seconds=round(time.perf_counter() - start, 2))
+    return dict(status="pass", batches=repeats, inputs=len(inputs), seconds=round(time.perf_counter() - start, 2))
+
+
+# Bit 85 of a TMA descriptor (the 128 KB out-of-bounds address mode; submission.clear_oob_128k_bit): bit 21
+# of its 64-bit word 1. A descriptor is 128 bytes, 16 such words.
+DESCRIPTOR_BIT = 85
+DESCRIPTOR_WORDS = 16
+
+
+def descriptor_bit85(workspace, slots: int) -> list:
+    """Bit 85 of every TMA descriptor of a descriptor workspace: `workspace` holds int64 words, rows of `slots`
+    descriptors of DESCRIPTOR_WORDS words each, in order (any shape, any device); returns [[0 or 1 per slot]
+    per row]."""
+    import torch
+
+    words = workspace.reshape(-1)
+    if words.dtype != torch.int64 or words.numel() % (slots * DESCRIPTOR_WORDS):
+        raise ValueError(f"a workspace of {words.numel()} {words.dtype} words is not rows of {slots} descriptors "
+                         f"of {DESCRIPTOR_WORDS} int64 words")
+    table = words.cpu().view(-1, slots, DESCRIPTOR_WORDS)
+    word, bit = divmod(DESCRIPTOR_BIT, 64)
+    return ((table[:, :, word] >> bit) & 1).tolist()
+
+
+def descriptor_outcome(bits: list, operands: list, row_kind: str) -> dict:
+    """job_descriptors' answer: the bits per row ("group" or "tile") and operand; "fail" if any is set."""
+    set_in = [f"{row_kind} {row} {operands[slot]}" for row, values in enumerate(bits)
+              for slot, value in enumerate(values) if value]
+    outcome = dict(status="fail" if set_in else "ok", row_kind=row_kind, operands=list(operands), bit85=bits,
+                   set_in=set_in)
+    if set_in:
+        outcome["error"] = (f"bit 85 set in {len(set_in)} of {len(bits) * len(operands)} descriptors: "
+                            + ", ".join(set_in[:6]) + (" ..." if len(set_in) > 6 else ""))
+    return outcome
+
+
+def job_descriptors(args: dict) -> dict:
+    """B200: one call of the case, then every TMA descriptor its kernels used, read back from the launch's
+    workspace (submission.launch_metadata, the call's own cache entry): bit 85 per group and operand (the
+    seed: per tile, A, B, SFA, SFB)."""
+    import torch
+
+    import submission
+    from reference import generate_input
+
+    start = time.perf_counter()
+    data = generate_input(**_tuples(args))
+    try:
+        submission.custom_kernel(data)
+        torch.cuda.synchronize()
+        launched = submission.non_empty_groups(data)
+        device = launched[0][0][0].device
+        config = submission.kernel_config(launched, device)
+        workspace = submission.launch_metadata(launched, device, config).workspace
+        torch.cuda.synchronize()
+    except Exception as err:
+        return dict(status="error", error=first_line(err), cuda_ok=_cuda_usable(),
+                    seconds=round(time.perf_counter() - start, 2))
+    if isinstance(config, submission.Sm100PersistentConfig):
+        operands, row_kind = [slot.name for slot in submission.Sm100TensorMapSlot], "group"
+    else:
+        operands, row_kind = [slot.name for slot in submission.TensorMapSlot], "tile"
+    outcome = descriptor_outcome(descriptor_bit85(workspace, len(operands)), operands, row_kind)
+    return dict(outcome, seconds=round(time.perf_counter() - start, 2))
 
 
 def _worker_main(conn, env: dict, log_path: Optional[str]) -> None:
@@ -582,10 +720,13 @@ class Limits:
     max_time_ns: float = 10e9
     warmup_repeats: int = 100  # 0: no warm-up run (each benchmark's untimed check of its 15 inputs compiles)
     max_losses: int = MAX_WORKER_LOSSES
+    pattern_repeats: int = 3  # batches of the runner's pattern, every result checked (job_pattern)
+    pattern_timeout: float = 900.0  # one benchmark's pattern: 15 inputs, their batches and checks
 
 
 QUICK_LIMITS = Limits(start_timeout=180.0, build_timeout=600.0, case_timeout=120.0, bench_timeout=120.0,
-                      max_repeats=QUICK_MAX_REPEATS, warmup_repeats=0, max_losses=2)
+                      max_repeats=QUICK_MAX_REPEATS, warmup_repeats=0, max_losses=2, pattern_repeats=2,
+                      pattern_timeout=300.0)
 
 
 @dataclasses.dataclass
@@ -707,8 +848,8 @@ class VariantRun:
     def __init__(self, plan: dict, limits: Limits, start_worker, log: Callable[[str], None]):
         self.plan, self.limits, self.start_worker, self.log = plan, limits, start_worker, log
         self.name = plan["name"]
-        self.result = dict(variant=self.name, worker=None, builds={}, cases={}, benchmarks={}, losses=0,
-                           log=plan.get("log"))
+        self.result = dict(variant=self.name, worker=None, builds={}, cases={}, pattern={}, benchmarks={},
+                           losses=0, log=plan.get("log"))
         self.lock = threading.Lock()
         self.runners = {}  # shard index -> ShardRunner
         self.cancelled = threading.Event()  # set when the whole run stops (Ctrl-C): no further calls
@@ -798,13 +939,19 @@ def run_variants(plans: list, cases: list, benchmarks: list, limits: Limits, job
        kernel group counts, `build_units`) are split into shards (`plan_shards`); a shard's worker builds its
        units' kernels (job_build: compiled, not launched), then checks the cases with those group counts.
        The DSL keeps compiled kernels per process only, so a case runs in the worker that built its kernels.
+       After its cases the worker runs the runner's pattern, every result checked (job_pattern), on the
+       benchmarks with its group counts (where the plan asks: "pattern"), and reads back the descriptors
+       of one case (where the plan names it: "descriptors", B200).
     2. Time, one benchmark at a time on the otherwise idle GPU: the benchmarks of every variant that failed
-       no case, each in the worker of the shard that built its kernels (a fresh one where that was lost).
+       no case, pattern or descriptor check, each in the worker of the shard that built its kernels (a
+       fresh one where that was lost).
 
     plan: name, env (what selects the variant in a fresh interpreter), selected (the worker must report
     this as its variant: key, value), tile_n (the forced tile width, None when chosen per problem), log (the
     worker log; one per shard, numbered, where a variant has several), predicted (optional: benchmark label
-    -> the tile model's µs, put beside each benchmark's result).
+    -> the tile model's µs, put beside each benchmark's result), pattern (optional: True to run job_pattern
+    on every benchmark), descriptors (optional: the case, as build_cases makes it, whose descriptors
+    job_descriptors reads back).
     benchmarks: Benchmark objects (harness.TestCase each), labelled bench1...
     """
     started = time.monotonic()
@@ -833,6 +980,7 @@ def run_variants(plans: list, cases: list, benchmarks: list, limits: Limits, job
     to_check = {name: [c for c in cases if c["label"] not in run.result["cases"]] for name, run in runs.items()}
     building = Progress("build", sum(len(u) for u in units.values()))
     testing = Progress("test", sum(len(v) for v in to_check.values()))
+    patterning = Progress("pattern", len(benchmarks) * sum(1 for plan in plans if plan.get("pattern")))
     log(f"building and testing {len(runs)} variant{'s' if len(runs) != 1 else ''}: "
         f"{building.total} build units, {testing.total} cases, {len(shards)} shards, {min(jobs, len(shards))} "
         f"worker processes at once")
@@ -853,6 +1001,20 @@ def run_variants(plans: list, cases: list, benchmarks: list, limits: Limits, job
             outcome = runner.call("bringup:job_check", (case["args"],), limits.case_timeout)
             run.result["cases"][case["label"]] = outcome
             log(f"{testing.tick()} [{run.name}] {case['label']:<14} {_outcome_text(outcome)}")
+        for bench in benchmarks if run.plan.get("pattern") else ():
+            if kernel_groups(bench.case.args) not in shard.groups:
+                continue
+            patterning.begin()
+            outcome = runner.call("bringup:job_pattern", (dict(bench.case.args), limits.pattern_repeats),
+                                  limits.pattern_timeout)
+            run.result["pattern"][bench.label] = outcome
+            log(f"{patterning.tick()} [{run.name}] {bench.label:<14} {_outcome_text(outcome)}")
+        described = run.plan.get("descriptors")
+        if described and kernel_groups(described["args"]) in shard.groups and not not_applicable(
+                described["args"], run.plan.get("tile_n")):
+            outcome = runner.call("bringup:job_descriptors", (described["args"],), limits.case_timeout)
+            run.result["descriptors"] = dict(outcome, case=described["label"])
+            log(f"[{run.name}] descriptors of {described['label']}: {_outcome_text(outcome)}")
         if not bench_groups & set(shard.groups):
             runner.close()  # not needed for timing
 
@@ -871,6 +1033,7 @@ def run_variants(plans: list, cases: list, benchmarks: list, limits: Limits, job
     labels = [c["label"] for c in cases]
     for run in runs.values():
         run.result["cases"] = _ordered(run.result["cases"], labels)
+        run.result["pattern"] = _ordered(run.result["pattern"], [b.label for b in benchmarks])
         run.result["builds"] = _ordered(run.result["builds"], [f"g={g}" for g in sorted(units[run.name])])
 
     timed = [run for run in runs.values() if not _failed_cases(run.result)]
@@ -910,7 +1073,19 @@ def run_variants(plans: list, cases: list, benchmarks: list, limits: Limits, job
 
 
 def _failed_cases(result: dict) -> list:
-    return [label for label, c in result["cases"].items() if c["status"] not in ("pass", "n/a")]
+    """The cases, patterns ("pattern bench1") and the descriptor check ("descriptors") a variant failed."""
+    return [label for label, outcome in _checks(result) if outcome["status"] not in ("pass", "n/a", "ok")]
+
+
+def _checks(result: dict) -> list:
+    """(label, outcome) of every correctness check of a variant: its cases, its runs of the runner's pattern,
+    its descriptor read-back."""
+    checks = list(result["cases"].items())
+    checks += [(f"pattern {label}", outcome) for label, outcome in result.get("pattern", {}).items()]
+    if result.get("descriptors"):
+        checks.append(("descriptors", result["descriptors"]))
+    checks += [(f"memcheck {setting}", outcome) for setting, outcome in result.get("sanitizer", {}).items()]
+    return checks
 
 
 def run_variant(plan: dict, cases: list, benchmarks: list, limits: Limits, start_worker=Worker,
@@ -924,11 +1099,12 @@ def run_variant(plan: dict, cases: list, benchmarks: list, limits: Limits, start
 # bringup: verdicts, recommendation and report (pure functions of the results)
 # ---------------------------------------------------------------------------------------------------------
 def verdict(vres: dict) -> tuple:
-    """("pass" | "partial" | "fail", why) of one variant's results. "fail": a case, or the check or run of a
-    benchmark, went wrong. "partial": nothing failed, but some cases are not applicable to it (a forced tile
-    width), so it cannot be the default. A failed build alone fails nothing (the cases compile again); next
-    to a failure it is named first, as the likelier cause."""
-    bad = [(label, c) for label, c in vres["cases"].items() if c["status"] not in ("pass", "n/a")]
+    """("pass" | "partial" | "fail", why) of one variant's results. "fail": a case, a run of the runner's
+    pattern (memcheck's too, where it ran), the descriptor read-back, or the check or run of a benchmark,
+    went wrong. "partial": nothing failed, but some cases are not applicable to it (a forced tile width), so
+    it cannot be the default. A failed build alone fails nothing (the cases compile again); next to a
+    failure it is named first, as the likelier cause."""
+    bad = [(label, c) for label, c in _checks(vres) if c["status"] not in ("pass", "n/a", "ok")]
     bad += [(label, b) for label, b in vres["benchmarks"].items() if b["status"] not in ("ok", "not run")]
     if bad:
         bad[:0] = [(f"build {label}", b) for label, b in vres.get("builds", {}).items() if b["status"] != "ok"]
@@ -1020,6 +1196,19 @@ def _bench_cell(entry: Optional[dict]) -> str:
     return _cell(entry)
 
 
+def format_descriptor_bits(name: str, outcome: dict) -> list:
+    """Report lines of one variant's descriptor read-back (job_descriptors): bit 85 per group and operand, or
+    for many rows (the seed's per-tile descriptors) the count and where it is set."""
+    if "bit85" not in outcome:
+        return [f"  {name:<20} {_cell(outcome)}: {outcome.get('error', '')}"]
+    rows, operands, kind = outcome["bit85"], outcome["operands"], outcome["row_kind"]
+    if len(rows) > 8:
+        where = f": {', '.join(outcome['set_in'][:6])}" if outcome["set_in"] else ""
+        return [f"  {name:<20} {len(rows)} {kind}s x {', '.join(operands)}: set in {len(outcome['set_in'])}{where}"]
+    return [f"  {name:<20} {kind} {row}: " + " ".join(f"{op}={bit}" for op, bit in zip(operands, bits))
+            for row, bits in enumerate(rows)]
+
+
 def format_report(cases: list, benchmarks: list, results: dict, rec: dict, limits: Limits,
                   log_dir: Optional[str] = None, model: Optional[str] = None) -> str:
     """The tables bringup prints after the environment: correctness per case and variant, benchmark µs per
@@ -1035,6 +1224,27 @@ def format_report(cases: list, benchmarks: list, results: dict, rec: dict, limit
     for case in cases:
         out.append(f"{case['label']:<15}" + "".join(f"{_cell(results[n]['cases'].get(case['label'])):>{width}}"
                                                      for n in names) + f"   {case['spec']}")
+    if any(results[n].get("pattern") for n in names):
+        out += ["", f"the runner's pattern: each benchmark's 15 input sets called back to back, "
+                f"{limits.pattern_repeats} batches on the same inputs, outputs NaN-poisoned before each batch, every "
+                "result checked",
+                f"{'benchmark':<15}" + "".join(f"{n:>{width}}" for n in names)]
+        out += [f"{bench.label:<15}" + "".join(f"{_cell(results[n].get('pattern', {}).get(bench.label)):>{width}}"
+                                                 for n in names) for bench in benchmarks]
+    described = [n for n in names if results[n].get("descriptors")]
+    if described:
+        case = results[described[0]]["descriptors"].get("case", "one case")
+        out += ["", f"TMA descriptor bit 85 (the 128 KB out-of-bounds mode, cleared by the kernels: 0 expected), read "
+                f"back from the launch's workspace after one call of {case}"]
+        for n in described:
+            out += format_descriptor_bits(n, results[n]["descriptors"])
+    sanitized = [n for n in names if results[n].get("sanitizer")]
+    if sanitized:
+        out += ["", f"compute-sanitizer memcheck: the runner's pattern again ({SANITIZER_REPEATS} batches per "
+                "benchmark), programmatic dependent launch on and off"]
+        out += [f"  {n:<20} {setting:<8} {_cell(outcome)}"
+                + (f" ({outcome['errors']} memcheck errors)" if outcome.get("errors") is not None else "")
+                for n in sanitized for setting, outcome in results[n]["sanitizer"].items()]
     repeats = (f"at most {limits.max_repeats} repeats" if limits.max_repeats < 100
                else "repeats until the error of the mean is under 0.1 % (at most 100 or 2 minutes)")
     predicted = model and any("predicted_us" in b for n in names for b in results[n]["benchmarks"].values())
@@ -1054,8 +1264,8 @@ def format_report(cases: list, benchmarks: list, results: dict, rec: dict, limit
         out.append(f"  {n:<20} {state.upper():<8} launch path {path:<10}" + (f" {why}" if why else ""))
     failures = [(n, f"build {label}", b) for n in names for label, b in results[n].get("builds", {}).items()
                 if b["status"] != "ok"]
-    failures += [(n, label, c) for n in names for label, c in results[n]["cases"].items()
-                 if c["status"] not in ("pass", "n/a", "not run")]
+    failures += [(n, label, c) for n in names for label, c in _checks(results[n])
+                 if c["status"] not in ("pass", "n/a", "not run", "ok")]
     failures += [(n, label, b) for n in names for label, b in results[n]["benchmarks"].items()
                  if b["status"] not in ("ok", "not run")]
     if failures:
@@ -1065,6 +1275,91 @@ def format_report(cases: list, benchmarks: list, results: dict, rec: dict, limit
         out += ["", f"worker logs (each worker's stdout and stderr): {log_dir}"]
     out += ["", format_recommendation(rec)]
     return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bringup --sanitizer: the runner's pattern again, under compute-sanitizer's memcheck, PDL on and off
+# ---------------------------------------------------------------------------------------------------------
+SANITIZER_REPEATS = 2  # batches of each benchmark's 15 inputs (memcheck slows every kernel many times over)
+SANITIZER_TIMEOUT = 3600.0  # one variant with one PDL setting: its builds and every benchmark's pattern
+# Device-side errors only: DSL 4.8's own driver probing returns invalid-value from cuGetProcAddress once per
+# compile (tests/test_gpu_sanitizer.py), which is no error of the kernels.
+MEMCHECK_ARGS = ("--tool", "memcheck", "--report-api-errors", "no", "--error-exitcode", "97")
+PDL_SETTINGS = (("PDL on", "1"), ("PDL off", "0"))
+_SANITIZED_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import bringup
+for label, args in json.loads(sys.argv[3]):
+    try:
+        outcome = bringup.job_pattern(args, int(sys.argv[2]))
+    except Exception as err:
+        outcome = dict(status="error", error=bringup.first_line(err))
+    print("PATTERN " + json.dumps(dict(outcome, label=label)), flush=True)
+"""
+
+
+def sanitizer_command(sanitizer: str, selection: dict, pdl: str, cases: list, repeats: int) -> tuple:
+    """(argv, env) of one run under memcheck: the variant selected through the environment (`selection`, as
+    a worker's), NVFP4_PDL=`pdl`, job_pattern on every (label, case args) of `cases`."""
+    argv = [sanitizer, *MEMCHECK_ARGS, sys.executable, "-c", _SANITIZED_SCRIPT, str(HERE), str(repeats),
+            json.dumps(cases)]
+    return argv, dict(os.environ, **selection, NVFP4_PDL=pdl, PYTHONWARNINGS="ignore")
+
+
+def parse_sanitizer_run(output: str, returncode: Optional[int], labels: list) -> dict:
+    """The outcome of one memcheck run from its output: "pass" when memcheck's summary says 0 errors and every
+    pattern of `labels` passed; "fail" on a reported error or a failed pattern; "error" when the run ended
+    without a summary (a crash or a kill) or a pattern is missing."""
+    patterns = {}
+    for line in output.splitlines():
+        if line.startswith("PATTERN "):
+            try:
+                entry = json.loads(line[len("PATTERN "):])
+                patterns[entry.pop("label")] = entry
+            except (ValueError, KeyError):
+                pass
+    summary = re.search(r"ERROR SUMMARY: (\d+) errors?", output)
+    errors = int(summary[1]) if summary else None
+    reports = [line.strip("= ").strip() for line in output.splitlines()
+               if line.startswith("========= ") and not re.match(r"=+\s+(ERROR SUMMARY|COMPUTE-SANITIZER|$)", line)
+               and not line.startswith("=========     ")]
+    wrong = [f"{label}: {p.get('error', p['status'])}" for label, p in patterns.items() if p.get("status") != "pass"]
+    missing = [label for label in labels if label not in patterns]
+    outcome = dict(errors=errors, patterns=patterns, returncode=returncode)
+    if errors:
+        first = reports[0] if reports else "?"
+        return dict(outcome, status="fail", error=f"memcheck: {errors} error(s); first: {first}")
+    if wrong:
+        return dict(outcome, status="fail", error="; ".join(wrong[:3]))
+    if errors is None or missing:
+        tail = [line for line in output.splitlines() if line.strip()][-1:]
+        return dict(outcome, status="error", error=f"no memcheck summary or missing patterns ({', '.join(missing)}); "
+                                                   f"exit {returncode}: {tail[0][:200] if tail else ''}")
+    return dict(outcome, status="pass")
+
+
+def run_sanitizer(plans: list, benchmarks: list, sanitizer: str, repeats: int = SANITIZER_REPEATS,
+                  timeout: float = SANITIZER_TIMEOUT, run: Callable = subprocess.run,
+                  log: Callable[[str], None] = harness.progress) -> dict:
+    """Every plan's variant (bringup's plans) through the runner's pattern on every benchmark it runs, under
+    memcheck, once with PDL on and once off: name -> {"PDL on": outcome, "PDL off": outcome}."""
+    results = {}
+    for plan in plans:
+        cases = [(b.label, dict(b.case.args)) for b in benchmarks
+                 if not not_applicable(b.case.args, plan.get("tile_n"))]
+        labels = [label for label, _ in cases]
+        for setting, pdl in PDL_SETTINGS:
+            argv, env = sanitizer_command(sanitizer, plan["env"], pdl, cases, repeats)
+            log(f"[{plan['name']}] memcheck, {setting}: the runner's pattern on {', '.join(labels)}...")
+            try:
+                proc = run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+                outcome = parse_sanitizer_run((proc.stdout or "") + (proc.stderr or ""), proc.returncode, labels)
+            except subprocess.TimeoutExpired:
+                outcome = dict(status="timeout", error=f"no end within {timeout:.0f} s")
+            results.setdefault(plan["name"], {})[setting] = outcome
+            log(f"[{plan['name']}] memcheck, {setting}: {_outcome_text(outcome)}")
+    return results
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1163,6 +1458,10 @@ def bringup_main(argv: list) -> int:
     parser.add_argument("--jobs", type=int, metavar="N",
                         help=f"worker processes building and testing at once (default: one per core, at most "
                              f"{MAX_JOBS}, the build units and what the available memory holds)")
+    parser.add_argument("--sanitizer", action="store_true",
+                        help="afterwards, run the runner's pattern on every benchmark again under compute-sanitizer "
+                             "memcheck, with programmatic dependent launch on and off (slow; skipped, with a note, "
+                             "where compute-sanitizer is not installed)")
     args, status = _parse(parser, argv)
     if args is None:
         return status
@@ -1233,10 +1532,21 @@ def bringup_main(argv: list) -> int:
             config = submission_sm90.SM90_VARIANT_CONFIGS.get(name)  # None: sm90_auto
             tile_n = config.tile_mn[1] if config else None
             selected, predicted = ("sm90_variant", name), {}
+        described = next(c for c in cases if c["label"] == DESCRIPTOR_CASE) if kind == "b200" else None
         plans.append(dict(name=name, env={variable: name}, selected=selected, tile_n=tile_n, predicted=predicted,
+                          pattern=True, descriptors=described,
                           log=str(Path(log_dir) / f"{name}.log")))
     jobs = args.jobs or default_jobs(sum(len(build_units(cases, benchmarks, plan["tile_n"])) for plan in plans))
     results = run_variants(plans, cases, benchmarks, limits, jobs=jobs, start_worker=Worker)
+    sanitizer = None
+    if args.sanitizer:
+        sanitizer = importlib.import_module("eval").find_cuda_tool("compute-sanitizer")
+        if sanitizer is None:
+            harness.progress("--sanitizer: compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): "
+                             "skipped")
+        else:
+            for name, runs in run_sanitizer(plans, benchmarks, sanitizer).items():
+                results[name]["sanitizer"] = runs
     rec = recommend(results, [b.label for b in benchmarks], kind, default)
     harness.progress(f"bringup took {time.time() - started:.0f} s")
     model = f"submission.sm100_predicted_us on {num_sms} SMs" if kind == "b200" else None
@@ -1247,7 +1557,8 @@ def bringup_main(argv: list) -> int:
                         jobs=jobs, model=model,
                         cases=cases, benchmarks=[dict(label=b.label, spec=_case_spec(b.case.args), sol_us=b.case.sol_us)
                                                  for b in benchmarks],
-                        variants=results, recommendation=rec, worker_logs=log_dir)
+                        variants=results, recommendation=rec, worker_logs=log_dir,
+                        sanitizer=dict(requested=args.sanitizer, tool=sanitizer))
         try:
             Path(args.json).write_text(json.dumps(_finite(document), indent=1, default=str))
         except OSError as err:
@@ -1256,28 +1567,62 @@ def bringup_main(argv: list) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The B200 tile rows the task's shapes pick (docs/B200_DESIGN.md, section 3, is this table)
+# The B200 tile rows the task's shapes and MoE layers pick (docs/B200_DESIGN.md, section 3, is these tables)
 # ---------------------------------------------------------------------------------------------------------
-def tile_choice_table(num_sms: int = 148) -> str:
-    """Markdown table: for every task.yml test and benchmark, the row of the tile table that
-    submission.choose_sm100_config picks on `num_sms` SMs (variant "persistent"), with the number of tiles
-    and the model's time (sm100_predicted_us, µs) of every row. A row in parentheses is not a candidate
-    (N = 256 needs every N to be a multiple of 256)."""
+# MoE layers the task's shapes come from, in decode (every expert of a layer gets a few tokens): name,
+# routed experts, (N, K) of each of its GEMMs.
+MOE_LAYERS = (("DeepSeek-V3", 256, ((4096, 7168), (7168, 2048))),
+              ("Qwen3-30B-A3B", 128, ((1536, 2048), (2048, 768))))
+MOE_TOKENS = (8, 40)  # tokens per expert, the same for every expert; and a mix drawn from 8..40 (seed 0)
+
+
+def moe_cases() -> list:
+    """(label, problem sizes) of each MoE GEMM of MOE_LAYERS with MOE_TOKENS tokens per expert, and with
+    8-40 tokens per expert drawn uniformly (random.Random(0))."""
+    import random
+
+    cases = []
+    for name, experts, shapes in MOE_LAYERS:
+        for n, k in shapes:
+            counts = [(str(t), [t] * experts) for t in MOE_TOKENS]
+            draw = random.Random(0)
+            counts.append(("8-40", [draw.randint(8, 40) for _ in range(experts)]))
+            cases += [(f"{name} N {n} K {k}, M {label}", [(m, n, k, 1) for m in ms]) for label, ms in counts]
+    return cases
+
+
+def _tile_rows_table(cases: list, num_sms: int) -> str:
+    """Markdown table: for each (label, problem sizes), its group count, the number of tiles and the model's
+    time (sm100_predicted_us, µs) of every row of the tile table, and the row submission.choose_sm100_config
+    picks on `num_sms` SMs (variant "persistent"). A row in parentheses is not a candidate (N = 256 needs every
+    N to be a multiple of 256)."""
     import submission
 
     rows = submission.SM100_TILE_TABLE
     name = lambda row: f"{row.tile_mn[0]}×{row.tile_mn[1]}"  # noqa: E731
     lines = ["| case | G | " + " | ".join(f"{name(row)}: tiles, model µs" for row in rows) + " | chosen |",
              "| --- | --- | " + " | ".join("---" for _ in rows) + " | --- |"]
+    for label, sizes in cases:
+        cells = []
+        for row in rows:
+            cell = (f"{submission.num_output_tiles(sizes, row.tile_mn)}, "
+                    f"{submission.sm100_predicted_us(sizes, row, num_sms):.2f}")
+            candidate = all(n % row.tile_mn[1] == 0 for _, n, _, _ in sizes)
+            cells.append(cell if candidate else f"({cell})")
+        chosen = name(submission.choose_sm100_config(sizes, num_sms))
+        lines.append(f"| {label} | {len(sizes)} | " + " | ".join(cells) + f" | {chosen} |")
+    return "\n".join(lines)
+
+
+def tile_choice_table(num_sms: int = 148) -> str:
+    """_tile_rows_table of every task.yml test and benchmark ("test 1", ..., "bench 1", ...)."""
+    cases = []
     for section, label in (("tests", "test"), ("benchmarks", "bench")):
         for i, case in enumerate(harness.load_cases(str(TASK_YML), section)):
-            sizes = [(m, n, k, 1) for m, n, k in zip(case.args["m"], case.args["n"], case.args["k"])]
-            cells = []
-            for row in rows:
-                cell = (f"{submission.num_output_tiles(sizes, row.tile_mn)}, "
-                        f"{submission.sm100_predicted_us(sizes, row, num_sms):.2f}")
-                candidate = all(n % row.tile_mn[1] == 0 for _, n, _, _ in sizes)
-                cells.append(cell if candidate else f"({cell})")
-            chosen = name(submission.choose_sm100_config(sizes, num_sms))
-            lines.append(f"| {label} {i + 1} | {case.args['g']} | " + " | ".join(cells) + f" | {chosen} |")
-    return "\n".join(lines)
+            cases.append((f"{label} {i + 1}", harness.case_sizes(case.args)))
+    return _tile_rows_table(cases, num_sms)
+
+
+def moe_tile_choice_table(num_sms: int = 148) -> str:
+    """_tile_rows_table of the MoE GEMMs of moe_cases()."""
+    return _tile_rows_table(moe_cases(), num_sms)

@@ -28,9 +28,7 @@ How it runs on Blackwell (sm_100a): kernel variants (`KERNEL_VARIANT`, `set_vari
   shared-memory ring, warp 4 issues tcgen05 block-scaled MMAs into one of two tensor-memory accumulators,
   warps 0-3 move the finished accumulator to registers, fp16, shared memory and out by TMA store (rows past
   M clipped by the TMA unit). Each group's five TMA descriptors are written once per input set by a small
-  preparation kernel (`GroupTensormapKernel`); the GEMM only acquires them.
-* "persistent_per_cta": the same kernel with CUTLASS's descriptor scheme: each CTA keeps its own five
-  descriptors and rewrites them when its next tile is in another group.
+  preparation kernel (`GroupTensormapKernel`); the GEMM only acquires them and never rewrites one.
 * "seed" (`Sm100BlockScaledGroupedGemmKernel`): the leaderboard seed's proven structure, one CTA per
   128x128 tile, warp 0 loads and multiplies with one stage, SIMT epilogue. The last fallback.
 docs/B200_DESIGN.md has the design, per-benchmark predictions and what no B200 has checked yet.
@@ -245,12 +243,9 @@ class Sm100PersistentConfig(Sm100TileConfig):
     epi_tile_n: int = 32
     # At least two C slices in flight; spare shared memory adds more.
     min_c_stages: int = 2
-    # Barriers (2 per A/B and accumulator stage), the tensor-memory address and the five 128-byte TMA
-    # descriptors fit in the first 1 KiB, ahead of the 1024-byte aligned buffers.
+    # Barriers (2 per A/B and accumulator stage) and the tensor-memory address fit in the first 1 KiB,
+    # ahead of the 1024-byte aligned buffers.
     smem_header_bytes: int = 1024
-    # True: each group's descriptors written once per input set by a preparation kernel, roles only
-    # acquire them. False: CUTLASS's grouped example, each CTA patches its own copy on a group change.
-    descriptors_up_front: bool = True
     # Programmatic dependent launch (USE_PDL).
     use_pdl: bool = USE_PDL
 
@@ -267,10 +262,6 @@ class Sm100PersistentConfig(Sm100TileConfig):
             raise ValueError(f"{self.tmem_cols_used} tensor-memory columns needed, {SM100_TMEM_COLUMNS} exist")
         if self.num_ab_stages < 2:
             raise ValueError("fewer than 2 A/B stages fit in shared memory")
-
-    def workspace_rows(self, num_groups: int, num_ctas):
-        """Descriptor rows of the workspace: one per group, or one per CTA (descriptors_up_front=False)."""
-        return num_groups if self.descriptors_up_front else num_ctas
 
     @property
     def ab_stage_bytes(self) -> int:
@@ -315,8 +306,7 @@ class Sm100PersistentConfig(Sm100TileConfig):
         return cols
 
     def resources(self) -> dict:
-        return dict(kernel="Sm100PersistentGroupedGemmKernel", descriptors_up_front=self.descriptors_up_front,
-                    tile_mnk=self.mma_tiler_mnk,
+        return dict(kernel="Sm100PersistentGroupedGemmKernel", tile_mnk=self.mma_tiler_mnk,
                     threads=32 * len(Sm100Warp), ab_stages=self.num_ab_stages, ab_stage_bytes=self.ab_stage_bytes,
                     acc_stages=self.num_acc_stages, c_stages=self.num_c_stages, c_stage_bytes=self.c_stage_bytes,
                     smem_bytes=self.smem_bytes, smem_budget=DYNAMIC_SMEM_BUDGET,
@@ -356,14 +346,13 @@ SM100_TILE_TABLE = (SM100_TILE_N128, SM100_TILE_N64, SM100_TILE_N256)  # the fir
 #                         what compile_for builds)
 #   "persistent_n64", "persistent_n128", "persistent_n256"
 #                         the same kernel with one tile-table row forced
-#   "persistent_per_cta"  128x128 tiles, descriptors patched per CTA on a group change (CUTLASS example)
 #   "seed"                one CTA per 128x128 tile, one stage, SIMT epilogue (the leaderboard seed)
+# (CUTLASS's per-CTA descriptor patching, once a rung here, is retired: docs/B200_DESIGN.md, section 1.)
 VARIANT_CONFIGS = {
     "persistent": SM100_TILE_N128,
     "persistent_n64": SM100_TILE_N64,
     "persistent_n128": SM100_TILE_N128,
     "persistent_n256": SM100_TILE_N256,
-    "persistent_per_cta": Sm100PersistentConfig(descriptors_up_front=False),
     "seed": SM100_CONFIG,
 }
 # Variants whose tile comes from the table per problem.
@@ -394,8 +383,16 @@ def set_variant(name: str) -> None:
 SM100_CLOCK_HZ = 1.5e9
 SM100_MMA_CYCLES_PER_N = 2  # a 128 x N x 256 NVFP4 K step at 32768 dense FP4 FLOP per clock per SM
 SM100_SM_FEED_BYTES_PER_CYCLE = 200e9 / SM100_CLOCK_HZ  # assumed L2 -> one SM's shared memory rate
-SM100_DRAM_BYTES_PER_S = 7.7e12  # what task.yml's speeds of light imply
-SM100_FIXED_US = 1.5  # per launch: barrier init, tensor-memory allocation, first loads, last epilogue
+# NOTES: a measured rate, not a datasheet's: 5914.80 GB/s, the "realistic SOL" memory bandwidth measured on the
+# competition's B200 by the best documented entry (gau-nernst/gpu-mode-kernels, nvidia/README.md). The 7.7 TB/s
+# that task.yml's speeds of light imply put benchmark 0 below what that entry's own DRAM time allows.
+SM100_DRAM_BYTES_PER_S = 5914.80e9
+# NOTES: per call as the runner times it (host launch path, launch, set-up, first loads, last epilogue), as the
+# public entries imply it: the best documented entry (same repository, nvidia/nvfp4_group_gemm/README.md; best
+# per benchmark 27.9 / 18.8 / 8.48 / 6.43 us) takes 3.45 / 4.95 / 5.36 / 4.45 us more than its DRAM traffic at
+# the rate above: 4.55 on average, 4.45 on benchmark 3, the smallest, where it is nearly the whole time (no
+# version in that worklog went below 6.43 us there).
+SM100_FIXED_US = 4.5
 # A row other than the default must beat it by this much in the model to be chosen.
 SM100_TILE_MARGIN = 0.05
 
@@ -407,8 +404,9 @@ def sm100_k_step_cycles(config: Sm100TileConfig) -> float:
 
 
 def sm100_predicted_us(problem_sizes, config: Sm100TileConfig, num_sms: int) -> float:
-    """Modelled GPU time (µs) of the persistent kernel: the busiest CTA of the static round-robin (tiles b,
-    b + grid, ...), or the DRAM traffic of the whole problem if that takes longer, plus SM100_FIXED_US."""
+    """Modelled time (µs) per call of the persistent kernel, as the runner times it: the busiest CTA of the
+    static round-robin (tiles b, b + grid, ...), or the DRAM traffic of the whole problem if that takes
+    longer, plus SM100_FIXED_US."""
     step_us = sm100_k_step_cycles(config) / SM100_CLOCK_HZ * 1e6
     tile_m, tile_n, tile_k = config.mma_tiler_mnk
     costs = []
@@ -723,7 +721,7 @@ class LaunchMetadata:
     """Device data of one launch, kept alive as long as its cache entry."""
 
     tables: torch.Tensor  # device buffer of the pointer table int64 [G, PtrColumn] and size table int32 [G, SizeColumn]
-    workspace: torch.Tensor  # TMA descriptors (seed: 4 per tile; persistent: 5 per group or per CTA)
+    workspace: torch.Tensor  # TMA descriptors (seed: 4 per tile; persistent: 5 per group)
     num_tiles: int
     num_ctas: int
     launch_args: tuple  # plain ints the GEMM is launched with: the three table addresses, then its counts
@@ -908,17 +906,43 @@ def make_output_tensor(c_addr, m, n, c_dtype):
                                                                       cute.assume(m * n, 128))))
 
 
+# NOTES: NVIDIA driver 595.71.05 release notes, known issues: on Blackwell, cuTensorMapEncodeTiled and
+# cuTensorMapEncodeIm2col may set bit 85 of a TMA descriptor, the 128 KB out-of-bounds address mode, wrongly
+# when the tensor's allocation is under 128 KB and the tensor is not dense and non-overlapping: sporadic
+# illegal memory accesses or MMU faults. The workaround NVIDIA gives, which CUTLASS C++ and Triton apply after
+# encoding, is to clear the bit: bit 21 of the descriptor's 64-bit word 1. Every descriptor a B200 kernel
+# here uses starts as a copy of a template the DSL encoded on the host (a TMA atom made on placeholder
+# tensors, by whichever encoder that DSL version calls), and `tensormap.replace` patches address, sizes and
+# strides without touching that bit; so the bit is cleared on the device, in the copy staged in shared memory
+# before it is released, which covers the templates of every DSL version. Blackwell only: Hopper's
+# descriptors (sm_90a) keep every bit as encoded.
+TMA_DESC_OOB_128K_WORD = 1
+TMA_DESC_OOB_128K_BIT = 21
+
+
+@cute.jit
+def clear_oob_128k_bit(smem_ptrs: tuple):
+    """Clears bit 85 (the 128 KB out-of-bounds address mode) of each TMA descriptor staged in shared memory
+    at `smem_ptrs` (Int64 pointers), from one lane of the calling warp, then syncs the warp so that its later
+    `tensormap.replace` and release see the cleared word. Blackwell only (see the NOTES above)."""
+    with cute.arch.elect_one():
+        for smem_ptr in smem_ptrs:
+            words = cute.make_tensor(smem_ptr, cute.make_layout(TENSORMAP_BYTES // 8))
+            words[TMA_DESC_OOB_128K_WORD] = words[TMA_DESC_OOB_128K_WORD] & ~(1 << TMA_DESC_OOB_128K_BIT)
+    cute.arch.sync_warp()
+
+
 class TmaDescriptorRows:
     """Where a kernel's TMA descriptors live in its global workspace, and how a warp role gets them.
 
     The workspace is rows of `len(Sm100TensorMapSlot)` 128-byte descriptors.
 
-    up_front=True: row g holds group g's descriptors, written before the kernel by a preparation kernel
-      (`GroupTensormapKernel`). A role only acquires a group's row (fence.proxy.tensormap acquire)
+    up_front=True (the GEMMs): row g holds group g's descriptors, written before the kernel by a preparation
+      kernel (`GroupTensormapKernel`). A role only acquires a group's row (fence.proxy.tensormap acquire)
       when its tile changes group; `stage_from_atoms` and `patch` are never needed.
-    up_front=False (CUTLASS's grouped example): row b belongs to CTA b. `stage_from_atoms` copies the
-      host-made descriptors into this CTA's shared-memory staging slots once; `patch` rewrites a group's
-      address and sizes there and releases the result to the row; `acquire` then fences the row.
+    up_front=False (the preparation kernel, whose CTA b writes row b): `stage_from_atoms` copies the
+      host-made descriptors into the CTA's shared-memory staging slots; `patch` rewrites a group's
+      address and sizes there and releases the result to the row.
 
     A DSL value (the role loops carry it); its runtime parts are the workspace tensor, the CTA index and
     the shared-memory staging pointer.
@@ -968,6 +992,11 @@ class TmaDescriptorRows:
         if not self.up_front:
             for atom, slot in zip(atoms, slots):
                 self.manager.init_tensormap_from_atom(atom, self._smem_ptr(slot), warp_id)
+
+    def clear_oob_128k_bit(self, slots: tuple):
+        """Per-CTA rows only, Blackwell only, by the staging warp between `stage_from_atoms` and `patch`: bit
+        85 of the staged descriptors cleared (`clear_oob_128k_bit`)."""
+        clear_oob_128k_bit(tuple(self._smem_ptr(slot) for slot in slots))
 
     def patch(self, tensors: tuple, atoms: tuple, slots: tuple, warp_id: int):
         """Per-CTA rows only: staging slots rewritten for `tensors`, released to this CTA's row."""
@@ -1343,10 +1372,12 @@ class Sm100BlockScaledGroupedGemmKernel:
     # -----------------------------------------------------------------------------------------------------
     @cute.jit
     def _write_tensormaps(self, warp_idx, tensormap_manager, tma_atoms, group_tensors, gmem_ptrs, smem_ptrs):
-        """Copy the host-made descriptors to shared memory, patch in the group's tensors, release to gmem."""
+        """Copy the host-made descriptors to shared memory, clear their bit 85 (`clear_oob_128k_bit`), patch in
+        the group's tensors, release to gmem."""
         if warp_idx == 0:
             for atom, smem_ptr in zip(tma_atoms, smem_ptrs):
                 tensormap_manager.init_tensormap_from_atom(atom, smem_ptr, 0)
+            clear_oob_128k_bit(smem_ptrs)
             tensormap_manager.update_tensormap(group_tensors, tma_atoms, gmem_ptrs, 0, smem_ptrs)
             for gmem_ptr_ in gmem_ptrs:
                 tensormap_manager.fence_tensormap_update(gmem_ptr_)
@@ -1498,22 +1529,20 @@ class Sm100PersistentGroupedGemmKernel:
       c    PipelineTmaStore  num_c_stages    epilogue warp 0's bulk groups (wait until a slice's store has
                                              read shared memory before the slice is rewritten)
 
-    Descriptors (config.descriptors_up_front):
-      True   one row of 5 descriptors per group, written once per input set by `prepare_tensormaps`
-             (`GroupTensormapKernel`, one CTA per group) before the first launch on it; the roles
-             only acquire (fence.proxy.tensormap) a group's row when their tile changes group.
-      False  CUTLASS's grouped example: one row per CTA; the TMA warp (A/B/SFA/SFB) and epilogue warp 0 (C)
-             copy the host-made descriptors to shared memory once, and when the tile's group changes patch
-             address and sizes there, release the row to global memory and acquire it.
+    Descriptors: one row of 5 per group, written once per input set by `GroupTensormapKernel` (one CTA per
+    group) before the first launch on it; the roles only acquire (fence.proxy.tensormap) a group's row when
+    their tile changes group and never rewrite one, so no TMA load or store is ever in flight on a
+    descriptor being rewritten (the race of NVIDIA/cutlass #3165).
 
     Tensor memory: num_acc_stages x 128 fp32 columns of accumulator, then one K step of SFA and of SFB.
-    Shared memory: header (barriers, tensor-memory address, 5 staging descriptors), C slices, A, B, SFA,
-    SFB stages.
+    Shared memory: header (barriers, tensor-memory address), C slices, A, B, SFA, SFB stages.
     """
 
     threads_per_cta = 32 * len(Sm100Warp)
     num_epilogue_warps = 4
     num_tensormaps = len(Sm100TensorMapSlot)
+    # `GroupTensormapKernel` clears bit 85 of this kernel's descriptors (Blackwell: see clear_oob_128k_bit).
+    clears_oob_128k_bit = True
 
     def __init__(self, config: Sm100PersistentConfig):
         self.config = config
@@ -1523,9 +1552,8 @@ class Sm100PersistentGroupedGemmKernel:
         self.num_c_stages = config.num_c_stages
 
     @staticmethod
-    def tensormap_workspace_bytes(config: Sm100PersistentConfig, num_groups: int, num_ctas: int) -> int:
-        rows = config.workspace_rows(num_groups, num_ctas)
-        return rows * Sm100PersistentGroupedGemmKernel.num_tensormaps * TENSORMAP_BYTES
+    def tensormap_workspace_bytes(num_groups: int) -> int:
+        return num_groups * Sm100PersistentGroupedGemmKernel.num_tensormaps * TENSORMAP_BYTES
 
     # -----------------------------------------------------------------------------------------------------
     # Host side: MMA, shared-memory layouts, TMA atoms on placeholder tensors, launch
@@ -1595,16 +1623,13 @@ class Sm100PersistentGroupedGemmKernel:
         num_groups: cutlass.Constexpr[int],
     ):
         cfg = self.config
-        ptr_table, size_table = group_tables(ptr_table_ptr, size_table_ptr, num_groups)
-        tensormaps = descriptor_table(tensormap_workspace_ptr, self.config.workspace_rows(num_groups, num_ctas),
-                                      self.num_tensormaps)
+        # The pointer table is the preparation kernel's: the GEMM reads sizes and descriptors only.
+        _, size_table = group_tables(ptr_table_ptr, size_table_ptr, num_groups)
+        tensormaps = descriptor_table(tensormap_workspace_ptr, num_groups, self.num_tensormaps)
         setup = self._tma_setup()
 
         @cute.struct
         class SharedStorage:
-            tensormap_buffer: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Int64, self.num_tensormaps * TENSORMAP_BYTES // 8], TENSORMAP_BYTES
-            ]
             ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_ab_stages * 2]
             acc_mbar: cute.struct.MemRange[cutlass.Int64, self.num_acc_stages * 2]
             tmem_holding_buf: cutlass.Int32
@@ -1629,7 +1654,7 @@ class Sm100PersistentGroupedGemmKernel:
         # No smem argument: the DSL sizes dynamic shared memory from the kernel's allocation.
         self.kernel(
             setup.tiled_mma, setup.tiled_mma_sfb, *setup.tma_atoms, *setup.tma_tensors,
-            ptr_table, size_table, tensormaps, num_tiles,
+            size_table, tensormaps, num_tiles,
             setup.a_smem_layout_staged, setup.b_smem_layout_staged, setup.sfa_smem_layout_staged,
             setup.sfb_smem_layout_staged, setup.c_smem_layout_staged, setup.epi_tile, setup.ab_stage_bytes,
         ).launch(grid=(num_ctas, 1, 1), block=(self.threads_per_cta, 1, 1), cluster=(1, 1, 1), use_pdl=cfg.use_pdl)
@@ -1652,7 +1677,6 @@ class Sm100PersistentGroupedGemmKernel:
         mSFA_mkl: cute.Tensor,
         mSFB_nkl: cute.Tensor,
         mC_mnl: cute.Tensor,
-        ptr_table: cute.Tensor,
         size_table: cute.Tensor,
         tensormaps: cute.Tensor,
         num_tiles: cutlass.Int32,
@@ -1717,9 +1741,8 @@ class Sm100PersistentGroupedGemmKernel:
         # (MMA, MMA_N, MMA_K, STAGE)
         sSFB = storage.sSFB.get_tensor(sfb_smem_layout_staged)
 
-        # ---- TMA descriptors: workspace rows (per group or per CTA) and shared-memory staging copies -------
-        descriptors = TmaDescriptorRows(self.config.descriptors_up_front, tensormaps, cta_idx,
-                                        storage.tensormap_buffer.data_ptr())
+        # ---- TMA descriptors: the workspace's row per group, prepared before this launch -------------------
+        descriptors = TmaDescriptorRows(True, tensormaps, cta_idx)
 
         # ---- global tiles (coordinate tensors of the placeholder shapes; the descriptors bound them) ------
         # (bM, bK, RestM, RestK, RestL)
@@ -1757,8 +1780,8 @@ class Sm100PersistentGroupedGemmKernel:
         tma_atoms = (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb)
 
         if warp_idx == Sm100Warp.TMA:
-            self._load_role(scheduler, num_tiles, cta_idx, num_ctas, ptr_table, size_table, ab_pipeline,
-                            descriptors, tma_atoms, (sA, sB, sSFA, sSFB), (tCgA, tCgB, tCgSFA, tCgSFB))
+            self._load_role(scheduler, num_tiles, cta_idx, num_ctas, size_table, ab_pipeline, descriptors,
+                            tma_atoms, (sA, sB, sSFA, sSFB), (tCgA, tCgB, tCgSFA, tCgSFB))
         if warp_idx == Sm100Warp.MMA:
             tmem.wait_for_alloc()
             acc_tmem_ptr = tmem.retrieve_ptr(cfg.acc_dtype)
@@ -1769,9 +1792,8 @@ class Sm100PersistentGroupedGemmKernel:
             tmem.allocate(cfg.tmem_alloc_cols)
             tmem.wait_for_alloc()
             acc_tmem_ptr = tmem.retrieve_ptr(cfg.acc_dtype)
-            self._epilogue_role(scheduler, num_tiles, cta_idx, num_ctas, warp_idx, tidx, ptr_table, size_table,
-                                acc_pipeline, acc_tmem_ptr, tCtAcc_layout, descriptors, tma_atom_c, sC, tCgC,
-                                epi_tile)
+            self._epilogue_role(scheduler, num_tiles, cta_idx, num_ctas, warp_idx, tidx, size_table, acc_pipeline,
+                                acc_tmem_ptr, tCtAcc_layout, descriptors, tma_atom_c, sC, tCgC, epi_tile)
             # Every epilogue thread has read its last accumulator (and the MMA warp has written its last:
             # the epilogue waited for it) before the columns are given back.
             tmem.relinquish_alloc_permit()
@@ -1783,10 +1805,9 @@ class Sm100PersistentGroupedGemmKernel:
     # Warp 5: TMA producer
     # -----------------------------------------------------------------------------------------------------
     @cute.jit
-    def _load_role(self, scheduler, num_tiles, cta_idx, num_ctas, ptr_table, size_table, ab_pipeline,
-                   descriptors, tma_atoms, smem_tensors, gmem_partitions):
+    def _load_role(self, scheduler, num_tiles, cta_idx, num_ctas, size_table, ab_pipeline, descriptors, tma_atoms,
+                   smem_tensors, gmem_partitions):
         cfg = self.config
-        tma_warp = int(Sm100Warp.TMA)
         # ((atom_v, rest_v), STAGE) and ((atom_v, rest_v), RestMN, RestK, RestL) per operand; the scale
         # tensors broadcast over the 16 k-elements of a block (stride 0), so those modes are dropped.
         partitions = [cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 3),
@@ -1794,7 +1815,6 @@ class Sm100PersistentGroupedGemmKernel:
                       for atom, sX, tCgX in zip(tma_atoms, smem_tensors, gmem_partitions)]
         tma_smem = [tXsX for tXsX, _ in partitions[:2]] + [cute.filter_zeros(tXsX) for tXsX, _ in partitions[2:]]
         tma_gmem = [tXgX for _, tXgX in partitions[:2]] + [cute.filter_zeros(tXgX) for _, tXgX in partitions[2:]]
-        descriptors.stage_from_atoms(tma_atoms, LOAD_SLOTS, tma_warp)
 
         producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_ab_stages)
         group, group_first, group_tiles = scheduler.first_state()
@@ -1803,19 +1823,9 @@ class Sm100PersistentGroupedGemmKernel:
         while tile_idx < num_tiles:
             group, group_first, group_tiles = scheduler.find_group(tile_idx, group, group_first, group_tiles)
             m = size_table[group, int(SizeColumn.M)]
-            n = size_table[group, int(SizeColumn.N)]
             k = size_table[group, int(SizeColumn.K)]
             tile_m_idx, tile_n_idx = scheduler.tile_coord(tile_idx, group_first, m)
             group_changed = group != last_group
-            if cutlass.const_expr(not descriptors.up_front):
-                if group_changed:
-                    # NOTES: as in CUTLASS's grouped block-scaled example, loads already issued with the
-                    # old descriptor are not drained first.
-                    group_tensors = make_operand_tensors(
-                        ptr_table[group, int(PtrColumn.A)], ptr_table[group, int(PtrColumn.B)],
-                        ptr_table[group, int(PtrColumn.SFA)], ptr_table[group, int(PtrColumn.SFB)],
-                        m, n, k, cfg.ab_dtype, cfg.sf_dtype, cfg.sf_vec_size)
-                    descriptors.patch(group_tensors, tma_atoms, LOAD_SLOTS, tma_warp)
             k_tile_cnt = (k + (self.tile_k - 1)) // self.tile_k
             # ((atom_v, rest_v), RestK)
             # An N = 64 tile's scales are half of the 128-row SFB block its pair of tiles shares.
@@ -1939,14 +1949,13 @@ class Sm100PersistentGroupedGemmKernel:
     # Warps 0-3: epilogue (tensor memory -> registers -> fp16 -> shared memory -> TMA store)
     # -----------------------------------------------------------------------------------------------------
     @cute.jit
-    def _epilogue_role(self, scheduler, num_tiles, cta_idx, num_ctas, warp_idx, tidx, ptr_table, size_table,
-                       acc_pipeline, acc_tmem_ptr, tCtAcc_layout, descriptors, tma_atom_c, sC, tCgC, epi_tile):
+    def _epilogue_role(self, scheduler, num_tiles, cta_idx, num_ctas, warp_idx, tidx, size_table, acc_pipeline,
+                       acc_tmem_ptr, tCtAcc_layout, descriptors, tma_atom_c, sC, tCgC, epi_tile):
         cfg = self.config
         store_warp = int(Sm100Warp.EPILOGUE0)
         epilogue_barrier = pipeline.NamedBarrier(barrier_id=Sm100BarrierId.EPILOGUE,
                                                  num_threads=32 * self.num_epilogue_warps)
         c_slot = (Sm100TensorMapSlot.C,)
-        descriptors.stage_from_atoms((tma_atom_c,), c_slot, store_warp)
 
         # (MMA, MMA_M, MMA_N, ACC_STAGE)
         tCtAcc_base = cute.make_tensor(acc_tmem_ptr, tCtAcc_layout)
@@ -1989,14 +1998,8 @@ class Sm100PersistentGroupedGemmKernel:
         while tile_idx < num_tiles:
             group, group_first, group_tiles = scheduler.find_group(tile_idx, group, group_first, group_tiles)
             m = size_table[group, int(SizeColumn.M)]
-            n = size_table[group, int(SizeColumn.N)]
             tile_m_idx, tile_n_idx = scheduler.tile_coord(tile_idx, group_first, m)
             group_changed = group != last_group
-            if cutlass.const_expr(not descriptors.up_front):
-                if group_changed:
-                    # Waits (inside) until this warp's earlier stores have read shared memory, then patches.
-                    c_tensor = make_output_tensor(ptr_table[group, int(PtrColumn.C)], m, n, cfg.c_dtype)
-                    descriptors.patch((c_tensor,), (tma_atom_c,), c_slot, store_warp)
             # ((ATOM_V, REST_V), EPI)
             bSG_gC = cute.group_modes(bSG_gC_all[(None, None, None, tile_m_idx, tile_n_idx, 0)], 1, 3)
             # (T2R, T2R_M, T2R_N, EPI)
@@ -2042,10 +2045,11 @@ class Sm100PersistentGroupedGemmKernel:
 
 class GroupTensormapKernel:
     """Writes every group's TMA descriptors for a GEMM whose descriptors are prepared up front (the Blackwell
-    persistent kernel with descriptors_up_front, and the Hopper kernel): both arches run this code.
+    persistent kernel and the Hopper kernel): both arches run this code.
 
     Grid (G, 1, 1), one warp per CTA: CTA g copies the GEMM's host-made descriptors (the same atoms, built
-    by the GEMM's own `descriptor_atoms`) into shared memory, patches in group g's addresses and sizes
+    by the GEMM's own `descriptor_atoms`) into shared memory, clears their bit 85 where the GEMM says
+    `clears_oob_128k_bit` (the Blackwell one), patches in group g's addresses and sizes
     (`group_descriptor_tensors`) and releases them to workspace row g; an empty group's row stays unwritten
     (no tile reads it). Launched once per input set, on a
     launch-metadata miss, after the table upload and ahead of the first GEMM on that workspace, on the same
@@ -2095,6 +2099,8 @@ class GroupTensormapKernel:
         slots = self.gemm.descriptor_slots
         rows = TmaDescriptorRows(False, tensormaps, group, buffer)
         rows.stage_from_atoms(atoms, slots, 0)
+        if cutlass.const_expr(getattr(self.gemm, "clears_oob_128k_bit", False)):
+            rows.clear_oob_128k_bit(slots)
         rows.patch(self.gemm.group_descriptor_tensors(ptr_table, size_table, group, tensormaps), atoms, slots, 0)
 
 
@@ -2156,8 +2162,8 @@ class Sm100Backend(KernelBackend):
         return variant_config(variant or KERNEL_VARIANT)
 
     def parts(self, config) -> tuple:
-        """The GEMM, and the descriptor preparation (once per input set) where descriptors are up front."""
-        if isinstance(config, Sm100PersistentConfig) and config.descriptors_up_front:
+        """The GEMM, and the persistent kernel's descriptor preparation (once per input set)."""
+        if isinstance(config, Sm100PersistentConfig):
             return ("gemm", "tensormaps")
         return ("gemm",)
 
@@ -2174,8 +2180,7 @@ class Sm100Backend(KernelBackend):
         num_tiles = num_output_tiles(problem_sizes, config.tile_mn)
         if isinstance(config, Sm100PersistentConfig):
             num_ctas = min(num_tiles, num_sms)
-            workspace = Sm100PersistentGroupedGemmKernel.tensormap_workspace_bytes(config, len(problem_sizes),
-                                                                                   num_ctas)
+            workspace = Sm100PersistentGroupedGemmKernel.tensormap_workspace_bytes(len(problem_sizes))
             return GemmSchedule(num_tiles, num_ctas, workspace, (num_tiles, num_ctas))
         workspace = Sm100BlockScaledGroupedGemmKernel.tensormap_workspace_bytes(num_tiles)
         return GemmSchedule(num_tiles, num_tiles, workspace, (num_tiles,))

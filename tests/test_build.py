@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -195,3 +196,145 @@ def test_table_upload_kernel_builds(tmp_path, arch):
     sass = subprocess.run([ev.find_cuobjdump(), "-sass", str(cubins[-1])], capture_output=True, text=True).stdout
     # one 64-bit load from the pinned staging copy and one store to the device tables per word
     assert "LDG.E.64" in sass and "STG.E.64" in sass, sass[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TMA descriptor bit 85 (submission.clear_oob_128k_bit): cleared in every descriptor a B200 kernel stages and
+# releases, never in a Hopper one; and no B200 kernel hands a TMA instruction a host-made descriptor straight
+# from its parameters (it would escape the clear). Read from the PTX the DSL installed here generates.
+# ---------------------------------------------------------------------------------------------------------
+# Bit 85 of the 128-byte descriptor: bit 21 of its 64-bit word 1 (NVIDIA driver 595.71.05 release notes).
+BIT85_WORD_OFFSET = 85 // 64 * 8
+BIT85_CLEAR_MASK = ~(1 << (85 % 64))
+
+_PTX_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import submission
+arch, variant, part = sys.argv[2:5]
+configs = submission.SM90_VARIANT_CONFIGS if arch.startswith("sm_90") else submission.VARIANT_CONFIGS
+try:
+    submission.compiled_kernel(submission.compile_key(2, arch, configs[variant], part))
+except Exception as err:  # 4.3.x without a driver: the PTX is written, then loading it fails
+    if "CudaDriverDependencyError" not in repr(err) and "CUDA Driver Dependency" not in str(err):
+        raise
+print("PTX_OK")
+"""
+
+
+def _kernel_ptx(tmp_path, arch: str, variant: str, part: str, name: str) -> str:
+    """The PTX of one kernel (G = 2), built in a fresh process with the DSL asked to keep it."""
+    env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP_PTX="1",
+               CUTE_DSL_KEEP="ptx", CUTE_DSL_DISABLE_FILE_CACHING="1")
+    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, str(ROOT), arch, variant, part], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert "PTX_OK" in proc.stdout, proc.stderr[-3000:]
+    found = sorted(tmp_path.rglob(f"*{name}*.ptx"))
+    assert found, list(tmp_path.rglob("*"))
+    return found[-1].read_text(errors="replace").replace("\x00", "")
+
+
+def bit85_clears(ptx: str) -> list:
+    """(line index, shared-memory byte offset) of every `ld.shared 64-bit; and.b64 with ~(1 << 21); st.shared
+    64-bit` back to the same address: a descriptor's word 1 loaded, bit 21 cleared, stored back."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    load = re.compile(r"ld\.shared\.[bu]64\s+(%rd\d+),\s*\[([^\]]+)\];")
+    store = re.compile(r"st\.shared\.[bu]64\s+\[([^\]]+)\],\s*(%rd\d+);")
+    found = []
+    for i, line in enumerate(lines):
+        match = re.fullmatch(r"and\.b64\s+(%rd\d+),\s*(%rd\d+),\s*(-?\d+);", line)
+        if not match or int(match[3]) != BIT85_CLEAR_MASK:
+            continue
+        loads = [load.fullmatch(x) for x in lines[max(0, i - 3):i]]
+        stores = [store.fullmatch(x) for x in lines[i + 1:i + 4]]
+        address = next((m[2] for m in loads if m and m[1] == match[2]), None)
+        stored = next((m[1] for m in stores if m and m[2] == match[1]), None)
+        if address is not None and address == stored:
+            offset = re.search(r"\+(\d+)$", address)
+            found.append((i, int(offset[1]) if offset else 0))
+    return found
+
+
+def descriptor_params_used_directly(ptx: str) -> list:
+    """Uses of a 128-byte kernel parameter (a host-made TMA descriptor) other than reading it with ld.param
+    (to copy it into shared memory): what a TMA instruction given the parameter itself would show."""
+    names = set(re.findall(r"\.param\s+\.align\s+\d+\s+\.b8\s+(\w+)\[128\]", ptx))
+    holders = {}
+    uses = []
+    for line in (line.strip() for line in ptx.splitlines()):
+        if line.startswith(".param") or line.startswith("//"):
+            continue
+        taken = re.fullmatch(r"mov\.[bu]64\s+(%rd\d+),\s*(\w+);", line)
+        if taken and taken[2] in names:
+            holders[taken[1]] = taken[2]
+            continue
+        for name in names:
+            if name in line and not line.startswith("ld.param"):
+                uses.append(line)
+        for register in holders:
+            if re.search(rf"{re.escape(register)}\b", line) and not re.match(
+                    rf"ld\.param\.\S+\s+.*\[{re.escape(register)}(\+\d+)?\];", line):
+                uses.append(line)
+    return uses
+
+
+@pytest.mark.parametrize("variant, part, name, slots", [
+    ("persistent", "tensormaps", "GroupTensormapKernel", 5),  # A, B, SFA, SFB, C of each group
+    ("seed", "gemm", "Sm100BlockScaledGroupedGemmKernel", 4),  # A, B, SFA, SFB of each tile
+])
+def test_sm100a_descriptors_are_released_with_bit_85_clear(tmp_path, variant, part, name, slots):
+    ptx = _kernel_ptx(tmp_path, "sm_100a", variant, part, name)
+    clears = bit85_clears(ptx)
+    # word 1 of every staged descriptor (128 bytes apart from the start of the kernel's shared memory)
+    assert sorted(offset for _, offset in clears) == [BIT85_WORD_OFFSET + 128 * s for s in range(slots)], clears
+    lines = [line.strip() for line in ptx.splitlines()]
+    first = {op: next(i for i, line in enumerate(lines) if line.startswith(op))
+             for op in ("tensormap.replace", "tensormap.cp_fenceproxy")}
+    last_staging_store = max(i for i, line in enumerate(lines) if line.startswith("st.shared.v2"))
+    # after the templates are staged, before they are patched and released
+    assert all(last_staging_store < i < min(first.values()) for i, _ in clears), (clears, first, last_staging_store)
+    i = clears[0][0]
+    print(f"{variant} {part}: " + " ".join(lines[i - 1:i + 2]) + f" (and {len(clears) - 1} more descriptors)")
+
+
+@pytest.mark.parametrize("variant", tuple(submission.SM90_VARIANT_CONFIGS) if submission else ())
+def test_sm90a_descriptors_keep_bit_85(tmp_path, variant):
+    ptx = _kernel_ptx(tmp_path, "sm_90a", variant, "tensormaps", "GroupTensormapKernel")
+    assert "tensormap.cp_fenceproxy" in ptx and "tensormap.replace" in ptx  # the preparation kernel it is
+    assert bit85_clears(ptx) == [] and str(BIT85_CLEAR_MASK) not in ptx
+
+
+@pytest.mark.parametrize("variant, part, name", [
+    ("persistent", "gemm", "Sm100PersistentGroupedGemmKernel"),
+    ("persistent", "tensormaps", "GroupTensormapKernel"),
+    ("seed", "gemm", "Sm100BlockScaledGroupedGemmKernel"),
+])
+def test_sm100a_tma_uses_no_descriptor_from_the_parameters(tmp_path, variant, part, name):
+    ptx = _kernel_ptx(tmp_path, "sm_100a", variant, part, name)
+    assert "cp.async.bulk.tensor" in ptx or "tensormap.cp_fenceproxy" in ptx
+    assert descriptor_params_used_directly(ptx) == []
+
+
+def test_ptx_readers_see_what_they_look_for():
+    # The readers above on hand-written PTX: a clear they must find, its near misses, and a direct use.
+    ptx = "\n".join([
+        ".param .align 64 .b8 k_param_0[128],",
+        "mov.b64 %rd1, k_param_0;",
+        "ld.param.v2.b64 {%rd2, %rd3}, [%rd1+16];",
+        "st.shared.v2.b64 [%r1+16], {%rd2, %rd3};",
+        "ld.shared.b64 %rd4, [%r1+136];",
+        f"and.b64 %rd5, %rd4, {BIT85_CLEAR_MASK};",
+        "st.shared.b64 [%r1+136], %rd5;",
+        "ld.shared.b64 %rd6, [%r1+8];",
+        f"and.b64 %rd7, %rd6, {~(1 << 20)};",  # another bit
+        "st.shared.b64 [%r1+8], %rd7;",
+        "ld.shared.u64 %rd8, [__dynamic_shmem__0+264];",
+        f"and.b64  %rd9, %rd8, {BIT85_CLEAR_MASK};",
+        "st.shared.u64 [__dynamic_shmem__0+272], %rd9;",  # stored elsewhere
+    ])
+    assert [offset for _, offset in bit85_clears(ptx)] == [136]
+    assert BIT85_CLEAR_MASK == -2097153 and BIT85_WORD_OFFSET == 8
+    assert descriptor_params_used_directly(ptx) == []
+    direct = ptx + "\ncp.async.bulk.tensor.2d.shared::cta.global.tile [%r2], [%rd1, {%r3, %r4}], [%r5];"
+    assert descriptor_params_used_directly(direct) == [direct.splitlines()[-1]]
+    assert descriptor_params_used_directly(ptx + "\nprefetch.tensormap [k_param_0];") != []

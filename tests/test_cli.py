@@ -15,7 +15,7 @@ import eval as ev
 import reference
 import submission
 import submission_sm90
-from conftest import ROOT
+from conftest import ROOT, load_task_yml
 
 TRUNCATED_YAML = 'tests:\n  - {"m": [96, 128], "n": [128'
 
@@ -435,11 +435,19 @@ def test_compile_builds_each_kernel_the_cases_run_once(tmp_path, capsys, monkeyp
     # the submission's own defaults: each picks its tile per problem
     monkeypatch.setattr(submission, "KERNEL_VARIANT", "persistent")
     monkeypatch.setattr(submission_sm90, "SM90_VARIANT", "sm90_auto")
+    # task.yml's cases and two more whose tiles the B200 model picks otherwise (128x64: 32 tiles of 128x128 on
+    # 148 SMs; 128x256: two full rounds of 128x128 at long K): every task.yml shape picks 128x128.
+    import yaml
+    task = load_task_yml()
+    task["tests"] += [dict(m=[128], n=[4096], k=[4096], g=1, seed=1),
+                      dict(m=[4736], n=[1024], k=[32768], g=1, seed=2)]
+    cases_file = tmp_path / "cases.yml"
+    cases_file.write_text(yaml.safe_dump(task))
     report = tmp_path / "report.json"
-    rc = ev.compile_main(["--arch", arch, str(ROOT / "task.yml"), "--json", str(report)])
+    rc = ev.compile_main(["--arch", arch, str(cases_file), "--json", str(report)])
     out = capsys.readouterr().out
     assert rc == 0
-    cases = ev.load_cases(str(ROOT / "task.yml"), "tests") + ev.load_cases(str(ROOT / "task.yml"), "benchmarks")
+    cases = ev.load_cases(str(cases_file), "tests") + ev.load_cases(str(cases_file), "benchmarks")
     expected = []  # (groups, tile) per case, from the submission's own run-time choice
     for case in cases:
         sizes = [(m, n, k, 1) for m, n, k in zip(case.args["m"], case.args["n"], case.args["k"])]
