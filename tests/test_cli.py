@@ -1,6 +1,7 @@
 """The command line as a new user meets it: every mistake in eval.py and bench.py ends in one line on stderr
 that names the culprit and a non-zero exit, never a traceback; the setters take only what they document;
 `eval.py compile` builds the kernels the cases would run, one row each."""
+import dataclasses
 import importlib.util
 import json
 import os
@@ -587,6 +588,36 @@ def test_fit_label_never_cuts_inside_a_number(width):
         assert fitted.endswith("…") and text.startswith(kept)
         # the next character of the original is not a digit continuing the last kept one
         assert not (kept[-1:].isdigit() and text[len(kept)].isdigit()), fitted
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The derived B200 stage counts
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field", ["num_ab_stages", "num_c_stages"])
+def test_the_derived_b200_stage_counts_cannot_be_passed(field):
+    # Regression: Sm100PersistentConfig(num_ab_stages=...) was a bare "unexpected keyword argument"; the
+    # counts are properties derived from the shared-memory budget.
+    config = submission.SM100_TILE_N64
+    with pytest.raises(TypeError, match=re.escape(f"Sm100PersistentConfig({field}=...): the stage counts are derived "
+                                                  "from the shared-memory budget")) as raised:
+        submission.Sm100PersistentConfig(mma_tiler_mnk=(128, 64, 256), **{field: 3})
+    assert all(name in str(raised.value) for name in ("mma_tiler_mnk", "epi_tile_n", "min_c_stages"))
+    with pytest.raises(TypeError, match="derived from the shared-memory budget"):
+        dataclasses.replace(config, **{field: 3})
+    # what sets them still does, and the derivation fills the budget
+    assert dataclasses.replace(config, min_c_stages=4).num_c_stages >= 4
+    used = config.smem_header_bytes + config.num_ab_stages * config.ab_stage_bytes
+    assert used + config.num_c_stages * config.c_stage_bytes <= submission.DYNAMIC_SMEM_BUDGET
+    assert submission.DYNAMIC_SMEM_BUDGET - used - config.num_c_stages * config.c_stage_bytes < config.c_stage_bytes
+
+
+def test_the_tile_table_says_its_stage_counts_are_derived():
+    source = (ROOT / "submission.py").read_text()
+    table = source[:source.index("SM100_TILE_TABLE = (")]
+    comment = table[table.rindex("# Blackwell tile table"):]
+    for text in (" ".join(line.lstrip("# ") for line in comment.splitlines()),
+                 " ".join(submission.Sm100PersistentConfig.__doc__.split())):
+        assert "derived" in text and "from the shared-memory budget" in text, text
 
 
 # ---------------------------------------------------------------------------------------------------------
