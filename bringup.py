@@ -40,11 +40,12 @@ usage mistake): one line on stderr.
 
 export (no GPU needed):
 
-    python eval.py export --variant NAME -o FILE
+    python eval.py export --variant NAME -o FILE [--force]
 
 writes submission.py with NAME on its marked default line (DEFAULT_KERNEL_VARIANT for a B200 variant,
 DEFAULT_SM90_VARIANT for a Hopper one), after checking the copy against FILE_RULES; it refuses to write a
-file that breaks them, and fails if the marked line is not found exactly once.
+file that breaks them, and fails if the marked line is not found exactly once. FILE must be new: an existing
+file (submission.py itself included) is overwritten only with --force, and the refusal says when git tracks it.
 """
 import argparse
 import concurrent.futures
@@ -198,15 +199,45 @@ def export_text(text: str, variant: str, b200_variants, sm90_variants) -> str:
     return exported
 
 
+def git_tracked(path: Path) -> bool:
+    """Whether git tracks `path` (False where git or a repository is missing)."""
+    try:
+        proc = subprocess.run(["git", "ls-files", "--error-unmatch", "--", path.name], cwd=path.parent,
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return proc.returncode == 0
+
+
+def overwrite_refusal(path: Path) -> Optional[str]:
+    """Why export will not write `path` without --force (it exists; a file git tracks is named as such), or
+    None for a new file."""
+    if not path.exists() and not path.is_symlink():
+        return None
+    if git_tracked(path.resolve()):
+        return f"{path} exists and is tracked by git"
+    return f"{path} exists"
+
+
 def export_main(argv: list) -> int:
     parser = harness.OneLineArgumentParser(prog="eval.py export",
                             description="Write a copy of submission.py whose default kernel variant is NAME.")
     parser.add_argument("--variant", required=True, metavar="NAME",
                         help="a B200 variant (submission.KERNEL_VARIANTS) or a Hopper one (SM90_VARIANTS)")
-    parser.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the copy")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE",
+                        help="where to write the copy: a new file, unless --force")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite FILE if it exists (submission.py itself included)")
     args, status = _parse(parser, argv)
     if args is None:
         return status
+    if Path(args.output).is_dir():
+        print(f"eval.py export: -o {args.output} is a directory; name the file to write", file=sys.stderr)
+        return 2
+    refusal = overwrite_refusal(Path(args.output))
+    if refusal and not args.force:
+        print(f"eval.py export: {refusal}; pass --force to overwrite it, or name a new file", file=sys.stderr)
+        return 2
     try:
         import submission
     except Exception as err:

@@ -32,8 +32,9 @@ core by default), then checked through every task.yml test and edge cases (outpu
 hangs cost one case), with a time-left estimate as it goes; the benchmarks of every variant that passed,
 one at a time (on a B200 beside the tile model's prediction); and the fastest passing variant with the one
 line that makes it the default (bringup.py).
-`python eval.py export --variant NAME -o FILE` needs no GPU: a copy of submission.py whose default variant is
-NAME, checked against the leaderboard's file rules.
+`python eval.py export --variant NAME -o FILE [--force]` needs no GPU: a copy of submission.py whose default
+variant is NAME, checked against the leaderboard's file rules; FILE must not exist yet (an existing file,
+submission.py included, is overwritten only with --force).
 
 Run modes need a CUDA GPU; without one they exit with status 2 and a one-line reason.
 """

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -588,6 +589,58 @@ def test_fit_label_never_cuts_inside_a_number(width):
         assert fitted.endswith("…") and text.startswith(kept)
         # the next character of the original is not a digit continuing the last kept one
         assert not (kept[-1:].isdigit() and text[len(kept)].isdigit()), fitted
+
+
+# ---------------------------------------------------------------------------------------------------------
+# export over an existing file
+# ---------------------------------------------------------------------------------------------------------
+def test_export_refuses_to_overwrite_the_tracked_source(tmp_path):
+    # Regression: `eval.py export --variant seed -o submission.py` silently rewrote the tracked source, exit 0.
+    # Run in a copy of the project (a git repository where git exists), so that a regression cannot damage
+    # this checkout's submission.py.
+    for name in ("eval.py", "harness.py", "bringup.py", "submission.py", "task.py"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    git = shutil.which("git")
+    if git:
+        subprocess.run([git, "init", "-q", "."], cwd=tmp_path, check=True, timeout=60)
+        subprocess.run([git, "add", "submission.py"], cwd=tmp_path, check=True, timeout=60)
+    before = (tmp_path / "submission.py").read_bytes()
+    proc = subprocess.run([sys.executable, "eval.py", "export", "--variant", "seed", "-o", "submission.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("NVFP4_")})
+    line = one_line(proc, 2)
+    assert line.startswith("eval.py export: submission.py exists") and "pass --force" in line, line
+    assert ("tracked by git" in line) == bool(git), line
+    assert (tmp_path / "submission.py").read_bytes() == before and proc.stdout == ""
+
+
+def test_export_writes_a_new_file_and_overwrites_only_with_force(tmp_path, capsys):
+    import bringup
+
+    out = tmp_path / "sub.py"
+    out.write_text("mine\n")
+    line = in_process_line(capsys, bringup.export_main(["--variant", "seed", "-o", str(out)]), 2)
+    assert f"{out} exists; pass --force" in line and "tracked" not in line, line
+    assert out.read_text() == "mine\n"
+    assert bringup.export_main(["--variant", "seed", "-o", str(out), "--force"]) == 0
+    assert bringup.default_line("b200", "seed") in out.read_text()
+    capsys.readouterr()
+    line = in_process_line(capsys, bringup.export_main(["--variant", "seed", "-o", str(tmp_path), "--force"]), 2)
+    assert "is a directory" in line, line
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_export_names_a_file_git_tracks(tmp_path):
+    import bringup
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True, timeout=60)
+    tracked, untracked = tmp_path / "tracked.py", tmp_path / "untracked.py"
+    tracked.write_text("")
+    untracked.write_text("")
+    subprocess.run(["git", "add", "tracked.py"], cwd=tmp_path, check=True, timeout=60)
+    assert bringup.overwrite_refusal(tracked) == f"{tracked} exists and is tracked by git"
+    assert bringup.overwrite_refusal(untracked) == f"{untracked} exists"
+    assert bringup.overwrite_refusal(tmp_path / "new.py") is None
 
 
 # ---------------------------------------------------------------------------------------------------------
