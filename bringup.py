@@ -30,7 +30,7 @@ bringup (needs a B200, or an H100/H200 for the Hopper tiles):
    line of submission.py that makes it the default and the `eval.py export` command that writes that copy.
 
 Every worker process runs one variant, selected through the environment before it imports the submission
-(NVFP4_KERNEL_VARIANT, as `eval.py --variants` does; NVFP4_SM90_VARIANT on Hopper). Every call into a worker
+(NVFP4_KERNEL_VARIANT; NVFP4_SM90_VARIANT on Hopper). Every call into a worker
 has a timeout; a worker that crashes, hangs or leaves the CUDA context unusable is killed, the case recorded
 as CRASH / TIMEOUT / ERROR with the first line of the error, and a fresh worker takes the next case (it
 compiles what it needs as it goes; a variant is abandoned after MAX_WORKER_LOSSES lost workers). The

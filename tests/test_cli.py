@@ -1,6 +1,7 @@
 """The command line as a new user meets it: every mistake in eval.py and bench.py ends in one line on stderr
 that names the culprit and a non-zero exit, never a traceback; the setters take only what they document;
 `eval.py compile` builds the kernels the cases would run, one row each."""
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -9,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ import reference
 import submission
 from conftest import ROOT
 
+HOPPER = ev.hopper_module()  # every Hopper name (SM90_VARIANTS, set_sm90_variant, ...) through eval.py's accessor
 TRUNCATED_YAML = 'tests:\n  - {"m": [96, 128], "n": [128'
 
 
@@ -283,11 +286,11 @@ def test_name_setters_take_one_of_their_names(monkeypatch, setter, names, attrib
                                                ("set_variant", "sm90_auto", "set_sm90_variant")])
 def test_a_variant_of_the_other_arch_names_its_setter(monkeypatch, setter, name, other):
     monkeypatch.setattr(submission, "KERNEL_VARIANT", "seed")
-    monkeypatch.setattr(submission, "SM90_VARIANT", submission.SM90_VARIANTS[-1])
+    monkeypatch.setattr(HOPPER, "SM90_VARIANT", HOPPER.SM90_VARIANTS[-1])
     with pytest.raises(ValueError, match=re.escape(f"use {other}({name!r})")) as raised:
-        getattr(submission, setter)(name)
+        getattr(HOPPER if setter == "set_sm90_variant" else submission, setter)(name)
     assert "('" not in str(raised.value).split(")", 1)[1]  # the choices as a plain list, not a Python tuple
-    assert (submission.KERNEL_VARIANT, submission.SM90_VARIANT) == ("seed", submission.SM90_VARIANTS[-1])
+    assert (submission.KERNEL_VARIANT, HOPPER.SM90_VARIANT) == ("seed", HOPPER.SM90_VARIANTS[-1])
 
 
 def test_setter_choices_are_listed_plainly():
@@ -398,7 +401,7 @@ def _refuse_build(*args, **kwargs):
 def test_compile_help_lists_the_variants_of_each_arch(capsys):
     assert _exit_code(ev.compile_main, ["--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
-    for name in (*submission.KERNEL_VARIANTS, *submission.SM90_VARIANTS):
+    for name in (*submission.KERNEL_VARIANTS, *HOPPER.SM90_VARIANTS):
         assert name in out
 
 
@@ -434,7 +437,7 @@ def _runtime_tile(monkeypatch, arch: str, num_sms: int, sizes) -> tuple:
 def test_compile_builds_each_kernel_the_cases_run_once(tmp_path, capsys, monkeypatch, fake_builds, arch, num_sms):
     # the submission's own defaults: each picks its tile per problem
     monkeypatch.setattr(submission, "KERNEL_VARIANT", "persistent")
-    monkeypatch.setattr(submission, "SM90_VARIANT", "sm90_auto")
+    monkeypatch.setattr(HOPPER, "SM90_VARIANT", "sm90_auto")
     report = tmp_path / "report.json"
     rc = ev.compile_main(["--arch", arch, str(ROOT / "task.yml"), "--json", str(report)])
     out = capsys.readouterr().out
@@ -451,7 +454,7 @@ def test_compile_builds_each_kernel_the_cases_run_once(tmp_path, capsys, monkeyp
     built = [(g, variant) for g, build_arch, variant in fake_builds.calls]
     assert all(build_arch == arch for _, build_arch, _ in fake_builds.calls)
     assert len(built) == len(set(built)) == len(set(expected))  # each distinct kernel once
-    configs = submission.SM90_VARIANT_CONFIGS if arch == "sm_90a" else submission.VARIANT_CONFIGS
+    configs = HOPPER.SM90_VARIANT_CONFIGS if arch == "sm_90a" else submission.VARIANT_CONFIGS
     assert {(g, tuple(configs[variant].tile_mn)) for g, variant in built} == set(expected)
 
     lines = out.splitlines()
@@ -466,11 +469,22 @@ def test_compile_builds_each_kernel_the_cases_run_once(tmp_path, capsys, monkeyp
         assert row.endswith(full_label), row  # never cut mid-number
         # the tile's rows of A: fixed on sm_100a; on sm_90a (sm90_auto takes M-exact tiles for every problem) the
         # range of widths up to tile[0]
-        rows = f"{submission.SM90_WIDTHS[0]}-{tile[0]}" if arch == "sm_90a" else tile[0]
+        rows = f"{HOPPER.SM90_WIDTHS[0]}-{tile[0]}" if arch == "sm_90a" else tile[0]
         assert f" {rows}x{tile[1]} g={g} " in row, row
 
     entries = json.loads(report.read_text())
     assert [(e["groups"], tuple(e["tile_mn"])) for e in entries] == expected
+
+    # Regression: the default `persistent` variant's 128x64 builds were labelled `persistent_n64` (and
+    # sm90_auto's by the forced variant compile_for builds them as). Every row is the default's; the JSON
+    # keeps what each was built as.
+    default = "sm90_auto" if arch == "sm_90a" else "persistent"
+    assert all(row.startswith(default + " ") for row in kernel_rows + case_rows), kernel_rows
+    assert {e["variant"] for e in entries} == {default}
+    assert {e["built_as"] for e in entries} == {variant for _, variant in built}
+    if arch == "sm_100a":  # the 128x64 row is in play and built as the variant that forces it
+        assert "persistent_n64" in {e["built_as"] for e in entries}
+        assert not any("persistent_n64" in row for row in kernel_rows + case_rows)
 
 
 @pytest.mark.parametrize("present", [("tests",), ("benchmarks",), ("tests", "benchmarks")])
@@ -503,10 +517,14 @@ def test_mode_help_is_the_mode_s_usage_and_options(mode):
 
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_90a"])
 def test_compile_table_explains_its_columns_and_shows_only_the_arch_s_own(capsys, monkeypatch, fake_builds, arch):
-    # the builds report what a 4.8.x build of either arch reports: no dynamic shared memory from the DSL
+    # the builds report what a 4.8.x build of either arch reports: the GEMM's SharedStorage as built, and on
+    # sm_100a the kernel's own plan besides (the DSL's launch record is 0 there)
     def build(num_groups, build_arch, cuobjdump, variant=None):
         fake_builds(num_groups, build_arch, cuobjdump, variant)
-        info = {"planned_smem_bytes": 226304, "tmem_cols": "288/512"} if build_arch == "sm_100a" else {}
+        info = {"shared_storage_bytes": 202752}
+        if build_arch == "sm_100a":
+            info = {"shared_storage_bytes": 226304, "planned_smem_bytes": 226304, "planned_smem_is_min": False,
+                    "tmem_cols": "288/512"}
         return {"ok": True, "error": "", "seconds": 3.25, "resources": {"REG": 40, "SHARED": 1024},
                 "sass": dict.fromkeys(ev.SASS_OPS, 1), "info": info}
 
@@ -522,12 +540,66 @@ def test_compile_table_explains_its_columns_and_shows_only_the_arch_s_own(capsys
     assert "seconds the build took" in legend["s"]
     blackwell_only = {"tmem", "UTCOMMA", "UTCQMMA", "UTCCP"}
     hopper_only = {"HGMMA", "WGDEP1"}
+    assert "kernel" in legend and "the default's name" in legend["kernel"]
+    assert "static" in legend["static[B]"] and "SharedStorage" in legend["dynamic[B]"]
+    assert "static + dynamic" in legend["smem[B]"]
     if arch == "sm_90a":
         assert not blackwell_only & set(header) and hopper_only <= set(header)
-        assert "+?" not in row and " - " not in row and cells["smem[B]"] == "1024", row
+        assert " - " not in row and "?" not in row, row
+        # Regression: Hopper rows showed `smem 1024`, the DSL's static part alone (read as 1 KB in all)
+        assert (cells["static[B]"], cells["dynamic[B]"], cells["smem[B]"]) == ("1024", "202752", "203776"), row
     else:
         assert blackwell_only <= set(header) and not hopper_only & set(header)
-        assert cells["smem[B]"] == "1024+226304" and cells["tmem"] == "288/512", row
+        assert (cells["static[B]"], cells["dynamic[B]"], cells["smem[B]"]) == ("1024", "226304", "227328"), row
+        assert cells["tmem"] == "288/512", row
+
+
+# (what a build reports, the static, dynamic and total cells): the kernel's SharedStorage as built comes
+# first, then the DSL's launch record (4.3.x), then the kernel's own plan, marked where it is a lower bound
+SMEM_REPORTS = [
+    ({"shared_storage_bytes": 202752}, ("1024", "202752", "203776")),
+    ({"shared_storage_bytes": 202752, "dynamic_smem_bytes": 5, "planned_smem_bytes": 7}, ("1024", "202752", "203776")),
+    ({"dynamic_smem_bytes": 37888, "planned_smem_bytes": 37376, "planned_smem_is_min": True},
+     ("1024", "37888", "38912")),
+    ({"planned_smem_bytes": 37376, "planned_smem_is_min": True}, ("1024", ">=37376", ">=38400")),
+    ({"planned_smem_bytes": 226304, "planned_smem_is_min": False}, ("1024", "226304", "227328")),
+    ({}, ("1024", "?", "?")),
+]
+
+
+@pytest.mark.parametrize("info,cells", SMEM_REPORTS)
+def test_compile_shared_memory_cells(info, cells):
+    assert ev.smem_cells({"resources": {"SHARED": 1024}, "info": info}) == cells
+    assert ev.smem_cells({"info": info})[::2] == ("?", "?")  # no cubin read: neither static nor the sum
+
+
+def test_the_build_script_reports_the_kernel_s_shared_storage(tmp_path):
+    # build_one's script run against a stand-in DSL and submission: the GEMM's SharedStorage (the kernel
+    # object compiled first that has one) is what it reports, as built
+    fake = tmp_path / "fake"
+    (fake / "cutlass").mkdir(parents=True)
+    (fake / "cutlass" / "__init__.py").write_text("")
+    (fake / "cutlass" / "cute.py").write_text("def compile(kernel, *args, **kwargs):\n    return kernel\n")
+    (fake / "submission.py").write_text(textwrap.dedent("""
+        import cutlass.cute as cute
+        class Storage:
+            @staticmethod
+            def size_in_bytes():
+                return 202752
+        class Gemm:
+            shared_storage = Storage
+        class Tensormaps:
+            pass
+        def compile_for(num_groups, arch, *variant):
+            cute.compile(Gemm())
+            cute.compile(Tensormaps())
+            return None
+    """))
+    proc = subprocess.run([sys.executable, "-c", ev._BUILD_SCRIPT, str(fake), "2", "sm_90a"], capture_output=True,
+                          text=True, timeout=600, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("BUILD_RESULT "))
+    result = json.loads(line[len("BUILD_RESULT "):])
+    assert result["ok"] and result["info"]["shared_storage_bytes"] == 202752, result
 
 
 def test_compile_groups_leave_the_case_file_alone(tmp_path, capsys, fake_builds):
@@ -559,11 +631,11 @@ def test_the_build_tests_build_every_variant_with_expectations():
     import test_build
 
     assert test_build.SM100_BUILD_VARIANTS == tuple(submission.VARIANT_CONFIGS) == submission.KERNEL_VARIANTS
-    assert test_build.SM90_BUILD_VARIANTS == submission.SM90_VARIANTS and "sm90_auto" in submission.SM90_VARIANTS
+    assert test_build.SM90_BUILD_VARIANTS == HOPPER.SM90_VARIANTS and "sm90_auto" in HOPPER.SM90_VARIANTS
     # a variant added to the submission is built too, without a list to edit
     new_sm100 = dataclasses.replace(submission.SM100_TILE_N128, num_acc_stages=1)
     fake = types.SimpleNamespace(VARIANT_CONFIGS=dict(submission.VARIANT_CONFIGS, persistent_new=new_sm100),
-                                 SM90_VARIANTS=(*submission.SM90_VARIANTS, "sm90_new"))
+                                 SM90_VARIANTS=(*HOPPER.SM90_VARIANTS, "sm90_new"))
     sm100, sm90 = test_build.build_variants(fake)
     assert sm100[-1] == "persistent_new" and sm90[-1] == "sm90_new" and sm90[0] == "sm90_auto"
     # every variant has its SASS expectations, from its config's kind; an unknown kind is an error
@@ -574,9 +646,9 @@ def test_the_build_tests_build_every_variant_with_expectations():
                                   Sm100GemmConfig=type("G", (), {}))
     with pytest.raises(AssertionError, match="odd: no SASS expectations"):
         test_build.sm100_expectations(other, "odd")
-    for name, config in submission.SM90_VARIANT_CONFIGS.items():
+    for name, config in HOPPER.SM90_VARIANT_CONFIGS.items():
         assert test_build.sm90_expectations(config) == dict(pipelined=True, no_spills=True), name
-    assert test_build.sm90_expectations(submission.choose_sm90_config((), 132)) == dict(pipelined=True, no_spills=True)
+    assert test_build.sm90_expectations(HOPPER.choose_sm90_config((), 132)) == dict(pipelined=True, no_spills=True)
 
 
 @pytest.mark.parametrize("width", range(4, 60))
@@ -589,6 +661,100 @@ def test_fit_label_never_cuts_inside_a_number(width):
         assert fitted.endswith("…") and text.startswith(kept)
         # the next character of the original is not a digit continuing the last kept one
         assert not (kept[-1:].isdigit() and text[len(kept)].isdigit()), fitted
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bare eval.py, --variants of either arch
+# ---------------------------------------------------------------------------------------------------------
+def test_bare_eval_prints_the_modes_and_runs_nothing(capsys, monkeypatch):
+    # Regression: bare `python eval.py` ran `test` (on a CPU machine: exit 2 on the GPU check, no word of
+    # what to run instead).
+    monkeypatch.setattr(ev, "gpu_problem", _refuse_gpu)
+    monkeypatch.setattr(ev, "make_pool", _refuse_build)
+    assert ev.main([]) == 2  # argparse's status for a missing argument
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert captured.out == "" and lines[0].startswith("usage: python eval.py MODE [FILE]"), captured.err
+    listed = [line.split()[0] for line in lines[2:-1]]
+    assert listed == [*ev.RUN_MODES, *ev.TOOL_MODES] and lines[1] == "modes:", lines
+    assert lines[-1].startswith("eval.py: no mode given") and "python eval.py compile" in lines[-1]
+    assert ev.main(["--variants", "seed"]) == 2 and "no mode given" in capsys.readouterr().err  # options alone
+
+
+def test_bare_eval_in_a_subprocess():
+    proc = run("eval.py")
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("usage: python eval.py MODE") and "CUDA" not in proc.stderr, proc.stderr
+
+
+class InlineRuns(list):
+    """Stands in for the spawned workers: the worker's start runs in this process, and each run records the
+    variants custom_kernel would then run on, (KERNEL_VARIANT, SM90_VARIANT)."""
+
+    def make_pool(self, initializer, initargs):
+        initializer(*initargs)
+        return contextlib.nullcontext(None)
+
+    def run(self, pool, tests, *rest, **options):
+        self.append((submission.KERNEL_VARIANT, HOPPER.SM90_VARIANT))
+        return 0
+
+
+@pytest.fixture
+def inline_runs(monkeypatch):
+    runs = InlineRuns()
+    monkeypatch.setattr(submission, "KERNEL_VARIANT", "persistent")
+    monkeypatch.setattr(HOPPER, "SM90_VARIANT", "sm90_auto")
+    monkeypatch.setattr(ev, "gpu_problem", lambda: None)
+    monkeypatch.setattr(ev, "make_pool", runs.make_pool)
+    for mode in ("human_test", "human_benchmark", "human_profile"):
+        monkeypatch.setattr(ev, mode, runs.run)
+    return runs
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_variants_take_the_gpu_s_own_arch_s_names_through_its_setter(capsys, monkeypatch, inline_runs, arch):
+    # Regression: --variants took B200 names only; comparing Hopper variants needed NVFP4_SM90_VARIANT.
+    monkeypatch.setattr(submission, "_target_arch", lambda device: arch)
+    names = [name for name in ev.arch_variants(arch) if name not in ("persistent", "sm90_auto")][:2]
+    assert len(names) == 2
+    assert ev.main(["benchmark", "--variants", ",".join(names)]) == 0
+    if arch == "sm_90a":
+        assert inline_runs == [("persistent", name) for name in names]
+    else:
+        assert inline_runs == [(name, "sm90_auto") for name in names]
+    out = capsys.readouterr().out
+    assert all(f"== kernel variant {name}" in out for name in names)
+    assert not any(key.startswith("NVFP4_") for key in os.environ)  # the setters, not the environment
+
+
+@pytest.mark.parametrize("gpu,name,owner", [("sm_100a", "sm90_a16_mexact", "Hopper (sm_90a)"),
+                                            ("sm_90a", "persistent_n64", "B200 (sm_100a)"),
+                                            ("sm_80a", "sm90_auto", "Hopper (sm_90a)")])
+def test_a_variant_of_the_other_arch_says_which_arch_it_belongs_to(capsys, monkeypatch, inline_runs, gpu, name,
+                                                                    owner):
+    monkeypatch.setattr(submission, "_target_arch", lambda device: gpu)
+    line = in_process_line(capsys, ev.main(["test", "--variants", f"{name}"]), 2)
+    assert line.startswith("eval.py: --variants: ") and f"{name!r} is a {owner} kernel variant" in line, line
+    assert f"this GPU is {gpu}" in line, line
+    if gpu != "sm_80a":  # the names this GPU takes
+        assert all(own in line for own in ev.arch_variants(gpu)), line
+    assert inline_runs == []
+
+
+def test_variants_of_both_arches_are_refused_before_the_gpu(capsys, monkeypatch, inline_runs):
+    monkeypatch.setattr(ev, "gpu_problem", _refuse_gpu)
+    line = in_process_line(capsys, ev.main(["test", "--variants", "seed,sm90_tile128,persistent"]), 2)
+    assert "'seed' is a B200 (sm_100a) variant and 'sm90_tile128' a Hopper (sm_90a) one" in line, line
+    line = in_process_line(capsys, ev.main(["test", "--variants", "sm90_tile129"]), 2)
+    assert "unknown kernel variant 'sm90_tile129'" in line and "sm90_tile128" in line and "seed" in line, line
+
+
+def test_mode_help_lists_the_variants_of_both_arches(capsys):
+    assert ev.main(["test", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert all(name in out for name in (*submission.KERNEL_VARIANTS, *HOPPER.SM90_VARIANTS))
+    assert "set_sm90_variant" in out and "GPU's own arch" in out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -692,3 +858,28 @@ def test_compile_builds_the_case_kernel_and_the_extra_group_count(tmp_path, monk
         assert entry["ok"] and entry["sass"]["UTCOMMA"] > 0 and entry["sass"]["LDL"] == 0, entry
     rows = [line for line in proc.stdout.splitlines() if " OK " in line]
     assert len(rows) == 2 and rows[0].startswith(entries[0]["kernel"]) and rows[1].startswith(entries[1]["kernel"])
+    for entry in entries:  # the kernel's SharedStorage as built is its own plan, beside the DSL's static part
+        planned = submission.kernel_resources(entry["built_as"])["smem_bytes"]
+        assert entry["info"]["shared_storage_bytes"] == planned, entry["info"]
+        static = entry["resources"]["SHARED"]
+        assert entry["smem"] == dict(static=str(static), dynamic=str(planned), total=str(static + planned))
+
+
+@pytest.mark.build
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="needs nvidia-cutlass-dsl")
+@pytest.mark.skipif(ev.find_cuobjdump() is None, reason="needs cuobjdump (nvidia-cuda-cuobjdump)")
+def test_compile_shows_the_hopper_kernel_s_dynamic_shared_memory(tmp_path):
+    # Regression: Hopper rows showed `smem 1024`, the DSL's static part only.
+    cases = tmp_path / "cases.txt"
+    cases.write_text("m: [128]; n: [256]; k: [768]; g: 1; seed: 7\n")
+    report = tmp_path / "report.json"
+    proc = run("eval.py", "compile", "--arch", "sm_90a", cases, "--json", report)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (entry,) = json.loads(report.read_text())
+    assert entry["ok"] and entry["variant"] == "sm90_auto", entry
+    # the stage ring, the fp16 A buffers and two 16 KB epilogue slabs: far more than 1 KiB, within the budget
+    dynamic, static = entry["info"]["shared_storage_bytes"], entry["resources"]["SHARED"]
+    assert 128 * 1024 < dynamic <= submission.DYNAMIC_SMEM_BUDGET, entry["info"]
+    assert entry["smem"] == dict(static=str(static), dynamic=str(dynamic), total=str(static + dynamic))
+    (row,) = [line for line in proc.stdout.splitlines() if " OK " in line]
+    assert row.startswith("sm90_auto ") and f" {static} {dynamic} {static + dynamic} " in " ".join(row.split()) + " "
