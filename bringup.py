@@ -37,7 +37,7 @@ bringup (needs a B200, or an H100/H200 for the Hopper tiles):
    line of submission.py that makes it the default and the `eval.py export` command that writes that copy.
 
 Every worker process runs one variant, selected through the environment before it imports the submission
-(NVFP4_KERNEL_VARIANT, as `eval.py --variants` does; NVFP4_SM90_VARIANT on Hopper). Every call into a worker
+(NVFP4_KERNEL_VARIANT; NVFP4_SM90_VARIANT on Hopper). Every call into a worker
 has a timeout; a worker that crashes, hangs or leaves the CUDA context unusable is killed, the case recorded
 as CRASH / TIMEOUT / ERROR with the first line of the error, and a fresh worker takes the next case (it
 compiles what it needs as it goes; a variant is abandoned after MAX_WORKER_LOSSES lost workers). The
@@ -47,11 +47,12 @@ usage mistake): one line on stderr.
 
 export (no GPU needed):
 
-    python eval.py export --variant NAME -o FILE
+    python eval.py export --variant NAME -o FILE [--force]
 
 writes submission.py with NAME on its marked default line (DEFAULT_KERNEL_VARIANT for a B200 variant,
 DEFAULT_SM90_VARIANT for a Hopper one), after checking the copy against FILE_RULES; it refuses to write a
-file that breaks them, and fails if the marked line is not found exactly once.
+file that breaks them, and fails if the marked line is not found exactly once. FILE must be new: an existing
+file (submission.py itself included) is overwritten only with --force, and the refusal says when git tracks it.
 """
 import argparse
 import concurrent.futures
@@ -211,15 +212,45 @@ def export_text(text: str, variant: str, b200_variants, sm90_variants) -> str:
     return exported
 
 
+def git_tracked(path: Path) -> bool:
+    """Whether git tracks `path` (False where git or a repository is missing)."""
+    try:
+        proc = subprocess.run(["git", "ls-files", "--error-unmatch", "--", path.name], cwd=path.parent,
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return proc.returncode == 0
+
+
+def overwrite_refusal(path: Path) -> Optional[str]:
+    """Why export will not write `path` without --force (it exists; a file git tracks is named as such), or
+    None for a new file."""
+    if not path.exists() and not path.is_symlink():
+        return None
+    if git_tracked(path.resolve()):
+        return f"{path} exists and is tracked by git"
+    return f"{path} exists"
+
+
 def export_main(argv: list) -> int:
     parser = harness.OneLineArgumentParser(prog="eval.py export",
                             description="Write a copy of submission.py whose default kernel variant is NAME.")
     parser.add_argument("--variant", required=True, metavar="NAME",
                         help="a B200 variant (submission.KERNEL_VARIANTS): the leaderboard file's default")
-    parser.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the copy")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE",
+                        help="where to write the copy: a new file, unless --force")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite FILE if it exists (submission.py itself included)")
     args, status = _parse(parser, argv)
     if args is None:
         return status
+    if Path(args.output).is_dir():
+        print(f"eval.py export: -o {args.output} is a directory; name the file to write", file=sys.stderr)
+        return 2
+    refusal = overwrite_refusal(Path(args.output))
+    if refusal and not args.force:
+        print(f"eval.py export: {refusal}; pass --force to overwrite it, or name a new file", file=sys.stderr)
+        return 2
     try:
         import submission
         import submission_sm90
@@ -522,13 +553,15 @@ def descriptor_bit85(workspace, slots: int) -> list:
 
 
 def descriptor_outcome(bits: list, operands: list, row_kind: str) -> dict:
-    """job_descriptors' answer: the bits per row ("group" or "tile") and operand; "fail" if any is set."""
-    set_in = [f"{row_kind} {row} {operands[slot]}" for row, values in enumerate(bits)
+    """job_descriptors' answer: the bits per row ("group" or "tile") and operand, None for a row never written
+    (an empty group's); "fail" if any is set."""
+    set_in = [f"{row_kind} {row} {operands[slot]}" for row, values in enumerate(bits) if values is not None
               for slot, value in enumerate(values) if value]
     outcome = dict(status="fail" if set_in else "ok", row_kind=row_kind, operands=list(operands), bit85=bits,
                    set_in=set_in)
     if set_in:
-        outcome["error"] = (f"bit 85 set in {len(set_in)} of {len(bits) * len(operands)} descriptors: "
+        written = sum(values is not None for values in bits)
+        outcome["error"] = (f"bit 85 set in {len(set_in)} of {written * len(operands)} descriptors: "
                             + ", ".join(set_in[:6]) + (" ..." if len(set_in) > 6 else ""))
     return outcome
 
@@ -547,10 +580,9 @@ def job_descriptors(args: dict) -> dict:
     try:
         submission.custom_kernel(data)
         torch.cuda.synchronize()
-        launched = submission.non_empty_groups(data)
-        device = launched[0][0][0].device
-        config = submission.kernel_config(launched, device)
-        workspace = submission.launch_metadata(launched, device, config).workspace
+        device = data[0][submission.first_launched_group(data[3])][0].device
+        config = submission.kernel_config(data, device)
+        workspace = submission.launch_metadata(data, device, config).workspace
         torch.cuda.synchronize()
     except Exception as err:
         return dict(status="error", error=first_line(err), cuda_ok=_cuda_usable(),
@@ -559,7 +591,10 @@ def job_descriptors(args: dict) -> dict:
         operands, row_kind = [slot.name for slot in submission.Sm100TensorMapSlot], "group"
     else:
         operands, row_kind = [slot.name for slot in submission.TensorMapSlot], "tile"
-    outcome = descriptor_outcome(descriptor_bit85(workspace, len(operands)), operands, row_kind)
+    bits = descriptor_bit85(workspace, len(operands))
+    if row_kind == "group":  # an empty group has no descriptors: its row was never written
+        bits = [values if size[0] else None for values, size in zip(bits, data[3])]
+    outcome = descriptor_outcome(bits, operands, row_kind)
     return dict(outcome, seconds=round(time.perf_counter() - start, 2))
 
 

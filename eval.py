@@ -6,16 +6,22 @@ Two ways to run it:
   benchmark, leaderboard, profile) speaks the runner's protocol on that file descriptor (`key: value` lines),
   with its timing (CUDA events around 15 calls on 15 inputs, L2 flushed before each batch, the same stop
   rules and re-checks) and its exit codes.
-* By hand: `python eval.py [test|benchmark|leaderboard|profile] [FILE]` prints a readable table to stdout
+* By hand: `python eval.py test|benchmark|leaderboard|profile [FILE]` prints a readable table to stdout
   (per case mean ± error in µs, TFLOP/s, GB/s, % of the B200 speed of light where FILE gives it, and the
   geometric mean) and progress to stderr. FILE defaults to task.yml (its `tests` for test, its `benchmarks`
-  otherwise); the runner's one-case-per-line text format is read too. `--variants persistent,seed` runs
-  the mode once per B200 kernel variant of the submission (its KERNEL_VARIANTS), one table each.
+  otherwise); the runner's one-case-per-line text format is read too. `--variants A,B` runs the mode once
+  per kernel variant, one table each, selected in the worker as set_variant (B200: persistent, seed, ...)
+  or set_sm90_variant (Hopper: sm90_auto, sm90_tile128, ...) would; the names must be of the GPU's own
+  arch (a name of the other arch ends in one line naming its arch, exit status 2).
+
+Without a mode (bare `python eval.py`) it prints the modes on stderr and exits with status 2, as argparse
+does for a missing argument: nothing is run.
 
 `python eval.py compile [--arch sm_100a|sm_90a] [--variant NAME] [--groups G ...] [FILE]` needs no GPU: it
-builds every kernel the cases of FILE would run (the tile custom_kernel picks for each case on a B200 with
-148 SMs, or an H100/H200 with 132; one kernel per tile and group count) and prints one row per kernel: OK
-or the error, registers, shared and tensor memory per CTA and the counts of the SASS instructions that
+builds every kernel the cases of FILE would run (the tile custom_kernel picks for each case on a B200 with 148
+SMs, or an H100/H200 with 132; one kernel per tile and group count) and prints one row per kernel, named by
+the variant that runs it (the default's own name for the default's builds): OK or the error, registers, shared
+memory per CTA (static, dynamic and their sum), tensor memory and the counts of the SASS instructions that
 matter; then the kernel of every case. It needs `cuobjdump` and `nvdisasm` (the nvidia-cuda-cuobjdump and
 nvidia-cuda-nvdisasm wheels); `python eval.py compile --help` lists the variants of each arch.
 
@@ -32,8 +38,9 @@ core by default), then checked through every task.yml test and edge cases (outpu
 hangs cost one case), with a time-left estimate as it goes; the benchmarks of every variant that passed,
 one at a time (on a B200 beside the tile model's prediction); and the fastest passing variant with the one
 line that makes it the default (bringup.py).
-`python eval.py export --variant NAME -o FILE` needs no GPU: a copy of submission.py whose default variant is
-NAME, checked against the leaderboard's file rules.
+`python eval.py export --variant NAME -o FILE [--force]` needs no GPU: a copy of submission.py whose default
+variant is NAME, checked against the leaderboard's file rules; FILE must not exist yet (an existing file,
+submission.py included, is overwritten only with --force).
 
 Run modes need a CUDA GPU; without one they exit with status 2 and a one-line reason.
 """
@@ -60,6 +67,50 @@ os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
 
 HERE = Path(__file__).resolve().parent
 RUN_MODES = ("test", "benchmark", "leaderboard", "profile")
+
+
+def hopper_module():
+    # The module that holds the Hopper (sm_90a) kernel and its names (SM90_VARIANTS, set_sm90_variant, ...).
+    import submission_sm90
+
+    return submission_sm90
+
+
+# The arches with kernels, by the name CUTE_DSL_ARCH and the DSL give them, and what a reader calls them.
+ARCH_NAMES = {"sm_100a": "B200", "sm_90a": "Hopper"}
+
+
+def arch_family(arch: str) -> Optional[str]:
+    """The key of ARCH_NAMES whose kernels a target `arch` (sm_100a, sm_90a, ...) builds, or None."""
+    return "sm_90a" if arch.startswith("sm_90") else "sm_100a" if arch.startswith("sm_10") else None
+
+
+def arch_variants(arch: str) -> tuple:
+    """The variant names of `arch`: what set_variant (sm_100a) or set_sm90_variant (sm_90a) takes."""
+    if arch_family(arch) == "sm_90a":
+        return tuple(hopper_module().SM90_VARIANTS)
+    import submission
+
+    return tuple(submission.KERNEL_VARIANTS)
+
+
+def select_variant(arch: str, name: str) -> None:
+    """Make `name` the kernel custom_kernel runs in this process on `arch`, through the submission's setter."""
+    if arch_family(arch) == "sm_90a":
+        hopper_module().set_sm90_variant(name)
+    else:
+        import submission
+
+        submission.set_variant(name)
+
+
+def _start_worker(arch: str, variant: Optional[str]) -> None:
+    """The spawned worker's start (make_pool's initializer): the runner's settings, then the variant."""
+    _init_worker()
+    if variant:
+        select_variant(arch, variant)
+
+
 # The SASS instructions compile counts (all of them in its JSON), with what each count says.
 # WGDEP1: `WARPGROUP.DEPBAR.LE gsb0, 0x1`, a wait that leaves one wgmma group in flight. A Hopper kernel
 # without any has its wgmmas serialized by ptxas (its C7512 "Potential Performance Loss" info).
@@ -335,11 +386,31 @@ def watch_launches():
         cls.launch = launch
 
 
+def watch_compiles():
+    # Exact on every DSL version: the dynamic shared memory a kernel asks for at launch is its SharedStorage
+    # struct (`self.shared_storage`, set while it is built); the first one built is the GEMM.
+    import cutlass.cute as cute
+    compile_ = cute.compile
+
+    def compile(kernel, *args, **kwargs):
+        try:
+            return compile_(kernel, *args, **kwargs)
+        finally:  # also where 4.3.x built the cubin and then failed to load it (no driver)
+            storage = getattr(kernel, "shared_storage", None)
+            if storage is not None and "shared_storage_bytes" not in result["info"]:
+                try:
+                    result["info"]["shared_storage_bytes"] = int(storage.size_in_bytes())
+                except Exception:
+                    pass
+    cute.compile = compile
+
+
 try:
+    watch_compiles()
     import submission
     watch_launches()
     info = submission.compile_for(int(sys.argv[2]), sys.argv[3], *sys.argv[4:])
-    result["info"] = info if isinstance(info, dict) else {}
+    result["info"].update(info if isinstance(info, dict) else {})
 except BaseException as err:
     chain, e = [], err
     while e is not None and len(chain) < 8:
@@ -355,6 +426,7 @@ try:  # the submission's own account of its shared and tensor memory (B200 kerne
     if sys.argv[3].startswith("sm_10"):
         planned = submission.kernel_resources(*sys.argv[4:])
         result["info"]["planned_smem_bytes"] = planned.get("smem_bytes", planned.get("smem_bytes_min"))
+        result["info"]["planned_smem_is_min"] = "smem_bytes" not in planned
         result["info"]["tmem_cols"] = f"{planned.get('tmem_cols_used', '?')}/{planned.get('tmem_alloc_cols', '?')}"
 except Exception:
     pass
@@ -419,35 +491,28 @@ COMPILE_GPUS = {"sm_100a": "a B200", "sm_90a": "an H100/H200"}
 
 @dataclasses.dataclass(frozen=True)
 class PlannedKernel:
-    """One kernel compile builds: the name compile_for builds it by, its output tile (M x N) and G."""
+    """One kernel compile builds: the name compile_for builds it by, its output tile (M x N), G, and the
+    variant that runs it (`shown`: the default's builds are the default's, though compile_for builds the
+    tile-table row the default picked by the variant that forces that row)."""
 
     variant: str
     tile_mn: tuple  # M-exact Hopper tiles: the widest
     groups: int
     m_rows: str = ""  # the tile's rows of A where they vary per tile (M-exact: "64-192")
+    shown: str = ""
 
     @property
     def label(self) -> str:
-        return f"{self.variant} {self.m_rows or self.tile_mn[0]}x{self.tile_mn[1]} g={self.groups}"
+        return f"{self.shown or self.variant} {self.m_rows or self.tile_mn[0]}x{self.tile_mn[1]} g={self.groups}"
 
 
-def hopper_module():
-    """The module holding the Hopper kernel and its variants (beside submission.py)."""
-    import submission_sm90
-
-    return submission_sm90
-
-
-def arch_variants(submission, arch: str) -> tuple:
-    """The variant names of `arch`: what set_variant (sm_100a) or set_sm90_variant (sm_90a) takes."""
-    return tuple(hopper_module().SM90_VARIANTS) if arch.startswith("sm_90") else tuple(submission.KERNEL_VARIANTS)
-
-
-def planned_kernel(submission, arch: str, variant: Optional[str], groups: int, sizes=None) -> PlannedKernel:
+def planned_kernel(arch: str, variant: Optional[str], groups: int, sizes=None) -> PlannedKernel:
     """The kernel custom_kernel would run on `arch` for a problem of these sizes ((m, n, k, 1) per group), as
     submission.kernel_config picks it with COMPILE_NUM_SMS; without sizes, the one compile_for builds by
     default. `variant` stands for the submission's own choice (set_sm90_variant on sm_90a, set_variant on
     sm_100a)."""
+    import submission
+
     num_sms = COMPILE_NUM_SMS[arch]
     if arch.startswith("sm_90"):
         hopper = hopper_module()
@@ -468,7 +533,7 @@ def planned_kernel(submission, arch: str, variant: Optional[str], groups: int, s
         raise LookupError(f"submission.py chose a {arch} kernel that no variant names ({config}); compile_for "
                           "cannot build it")
     m_rows = f"{config.widths[0]}-{config.widths[-1]}" if getattr(config, "m_exact", False) else ""
-    return PlannedKernel(name, tuple(config.tile_mn), groups, m_rows)
+    return PlannedKernel(name, tuple(config.tile_mn), groups, m_rows, shown=chosen)
 
 
 def _case_sizes(case: TestCase) -> list[tuple]:
@@ -478,16 +543,32 @@ def _case_sizes(case: TestCase) -> list[tuple]:
 def compile_legend(arch: str) -> list:
     """What the columns of compile's table for `arch` say, one line each."""
     lines = ["columns:",
-             "  status   OK, or ERROR with the error on the next line",
-             "  regs     registers per thread",
-             "  smem[B]  shared memory per CTA: static+dynamic; the dynamic part as the DSL reports it at build time, "
-             "else the kernel's own plan" + (" (B200 kernels)" if arch.startswith("sm_90") else "")
-             + "; static alone where neither gives it"]
+             "  kernel     the variant that runs it, its tile MxN and G (a default that picks its tile per problem "
+             "keeps the default's name; the JSON's built_as names the variant compile_for builds that kernel as)",
+             "  status     OK, or ERROR with the error on the next line",
+             "  regs       registers per thread",
+             "  static[B]  shared memory per CTA the DSL declares statically (cuobjdump -res-usage SHARED)",
+             "  dynamic[B] shared memory per CTA the kernel asks for at launch: its SharedStorage struct as built, "
+             "else the DSL's launch record, else the kernel's own plan (kernel_resources; '>=': a lower bound); "
+             "? where none gives it",
+             "  smem[B]    static + dynamic: what a CTA takes of the 232448 bytes (227 KiB) a block may have"]
     if arch.startswith("sm_10"):
-        lines.append("  tmem     tensor-memory columns used/allocated")
-    lines.append("  s        seconds the build took (a fresh process: import and build)")
-    lines += [f"  {op:<8} count of {SASS_MEANING[op]}" for op in ARCH_SASS_OPS[arch]]
+        lines.append("  tmem       tensor-memory columns used/allocated")
+    lines.append("  s          seconds the build took (a fresh process: import and build)")
+    lines += [f"  {op:<10} count of {SASS_MEANING[op]}" for op in ARCH_SASS_OPS[arch]]
     return lines
+
+
+def smem_cells(result: dict) -> tuple:
+    """(static, dynamic, static + dynamic) shared memory per CTA of a build, as compile's table shows them."""
+    static = result.get("resources", {}).get("SHARED")
+    info = result.get("info", {})
+    sources = ("shared_storage_bytes", "dynamic_smem_bytes", "planned_smem_bytes")
+    source = next((key for key in sources if info.get(key) is not None), None)
+    dynamic = info[source] if source else None
+    mark = ">=" if source == "planned_smem_bytes" and info.get("planned_smem_is_min") else ""
+    return ("?" if static is None else str(static), "?" if dynamic is None else f"{mark}{dynamic}",
+            "?" if static is None or dynamic is None else f"{mark}{static + dynamic}")
 
 
 def _looks_like_a_file(token: str) -> bool:
@@ -515,7 +596,7 @@ def compile_main(argv: list[str]) -> int:
     try:
         import submission
 
-        names = {arch: arch_variants(submission, arch) for arch in COMPILE_NUM_SMS}
+        names = {arch: arch_variants(arch) for arch in COMPILE_NUM_SMS}
         import_error = None
     except Exception as err:
         names, import_error = {}, f"cannot import submission.py: {type(err).__name__}: {err}"
@@ -555,8 +636,8 @@ def compile_main(argv: list[str]) -> int:
                                  "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
 
     arch, variant = args.arch, args.variant
-    wanted = [(_short(c), planned_kernel(submission, arch, variant, c.args["g"], _case_sizes(c))) for c in cases]
-    wanted += [(f"g={g} (--groups)", planned_kernel(submission, arch, variant, g)) for g in groups]
+    wanted = [(_short(c), planned_kernel(arch, variant, c.args["g"], _case_sizes(c))) for c in cases]
+    wanted += [(f"g={g} (--groups)", planned_kernel(arch, variant, g)) for g in groups]
     kernels = sorted({kernel for _, kernel in wanted}, key=lambda k: (k.groups, k.tile_mn, k.variant))
     builds: dict[PlannedKernel, dict] = {}
     for kernel in kernels:
@@ -576,26 +657,27 @@ def compile_main(argv: list[str]) -> int:
     blackwell = arch.startswith("sm_10")
     ops = ARCH_SASS_OPS[arch]
     width = max(len("kernel"), *(len(k.label) for k in kernels))
-    print(f"{'kernel':<{width}} {'status':<6} {'regs':>4} {'smem[B]':>11} " + (f"{'tmem':>7} " if blackwell else "")
-          + f"{'s':>5}  " + " ".join(f"{op:>7}" for op in ops))
+    print(f"{'kernel':<{width}} {'status':<6} {'regs':>4} {'static[B]':>9} {'dynamic[B]':>10} {'smem[B]':>9} "
+          + (f"{'tmem':>7} " if blackwell else "") + f"{'s':>5}  " + " ".join(f"{op:>7}" for op in ops))
     failed = False
     for kernel in kernels:
         result = builds[kernel]
         res, sass, info = result.get("resources", {}), result.get("sass", {}), result.get("info", {})
-        dynamic = info.get("dynamic_smem_bytes", info.get("planned_smem_bytes"))
-        smem = f"{res.get('SHARED', '?')}" + (f"+{dynamic}" if dynamic is not None else "")
+        static, dynamic, total = smem_cells(result)
         failed |= not result["ok"]
-        print(f"{kernel.label:<{width}} {'OK' if result['ok'] else 'ERROR':<6} {res.get('REG', '?'):>4} {smem:>11} "
-              + (f"{info.get('tmem_cols', '-'):>7} " if blackwell else "") + f"{result.get('seconds', '?'):>5}  "
-              + " ".join(f"{sass.get(op, '?'):>7}" for op in ops))
+        print(f"{kernel.label:<{width}} {'OK' if result['ok'] else 'ERROR':<6} {res.get('REG', '?'):>4} {static:>9} "
+              f"{dynamic:>10} {total:>9} " + (f"{info.get('tmem_cols', '-'):>7} " if blackwell else "")
+              + f"{result.get('seconds', '?'):>5}  " + " ".join(f"{sass.get(op, '?'):>7}" for op in ops))
         if not result["ok"]:
             print(f"    {result['error']}")
     print(f"\n{'kernel':<{width}} case")
     for label, kernel in wanted:
         print(f"{kernel.label:<{width}} {label}")
     if args.json:
-        report = [dict(builds[kernel], case=label, groups=kernel.groups, arch=arch, variant=kernel.variant,
-                       kernel=kernel.label, tile_mn=list(kernel.tile_mn)) for label, kernel in wanted]
+        report = [dict(builds[kernel], case=label, groups=kernel.groups, arch=arch, variant=kernel.shown,
+                       built_as=kernel.variant, kernel=kernel.label, tile_mn=list(kernel.tile_mn),
+                       smem=dict(zip(("static", "dynamic", "total"), smem_cells(builds[kernel]))))
+                  for label, kernel in wanted]
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     return 1 if failed else 0
 
@@ -627,12 +709,38 @@ def _submission_problem(variants: Optional[list[str]]) -> Optional[str]:
         return f"cannot import submission.py: {type(err).__name__}: {err}"
     if variants is None:
         return None
-    names = submission.KERNEL_VARIANTS
-    unknown = [v for v in variants if v not in names]
+    names = {arch: arch_variants(arch) for arch in ARCH_NAMES}
+    owner = {name: arch for arch, arch_names in names.items() for name in arch_names}
+    unknown = [v for v in variants if v not in owner]
     if unknown or not variants:
         what = f"unknown kernel variant {unknown[0]!r}" if unknown else "no kernel variant named"
-        return f"--variants: {what}; choose from {', '.join(names)} (comma-separated; B200 kernels)"
+        return (f"--variants: {what}; choose names of the GPU's own arch, comma-separated: "
+                + "; ".join(f"{ARCH_NAMES[arch]} ({arch}): {', '.join(n)}" for arch, n in names.items()))
+    first = {}
+    for name in variants:
+        first.setdefault(owner[name], name)
+    if len(first) > 1:
+        b200, hopper = first["sm_100a"], first["sm_90a"]
+        return (f"--variants: {b200!r} is a B200 (sm_100a) variant and {hopper!r} a Hopper (sm_90a) one; name "
+                "the variants of the GPU's own arch only")
     return None
+
+
+def variants_arch(variants: list[str]) -> tuple:
+    """(the GPU's target arch, None) where every --variants name is one of its variants, else (None, a line
+    that says which arch the first other name belongs to). Needs the GPU (or CUTE_DSL_ARCH)."""
+    import submission
+
+    target = submission._target_arch(None)
+    family = arch_family(target)
+    for name in variants:
+        owner = next(arch for arch in ARCH_NAMES if name in arch_variants(arch))
+        if owner != family:
+            here = (f"this GPU is {target} ({ARCH_NAMES[family]}), whose variants are "
+                    f"{', '.join(arch_variants(family))}" if family else
+                    f"this GPU is {target}, which has no kernel here (only {', '.join(ARCH_NAMES)})")
+            return None, f"--variants: {name!r} is a {ARCH_NAMES[owner]} ({owner}) kernel variant, but {here}"
+    return target, None
 
 
 def size_rule():
@@ -659,14 +767,32 @@ MODE_HELP = {
 }
 
 
+# One line per mode, for bare `python eval.py`.
+MODE_SUMMARY = {
+    "test": "check every task.yml test against the reference: PASS or FAIL per case (needs a GPU)",
+    "benchmark": "time the task.yml benchmarks with the runner's method (needs a GPU)",
+    "leaderboard": "as benchmark, re-checking every output after each timed batch (needs a GPU)",
+    "profile": "a torch profiler table per benchmark (needs a GPU)",
+    "compile": "build the kernels without a GPU: registers, shared memory, SASS counts per kernel",
+    "bringup": "first run on a new GPU: build, check and time every variant, name the fastest",
+    "export": "write a copy of submission.py with another default variant (no GPU)",
+}
+
+
+def bare_usage() -> str:
+    """What bare `python eval.py` prints (on stderr, exit status 2: argparse's way with a missing argument)."""
+    return "\n".join(["usage: python eval.py MODE [FILE] [options]   (python eval.py --help: everything; "
+                      "python eval.py MODE --help: a mode's options)", "modes:"]
+                     + [f"  {mode:<12} {line}" for mode, line in MODE_SUMMARY.items()]
+                     + ["eval.py: no mode given; on a machine without a GPU, start with: python eval.py compile"])
+
+
 def mode_parser(mode: str) -> OneLineArgumentParser:
     """The arguments of a run mode by hand (what `eval.py MODE --help` prints)."""
     try:
-        import submission
-
-        names = ", ".join(submission.KERNEL_VARIANTS)
+        names = "; ".join(f"{ARCH_NAMES[arch]}: {', '.join(arch_variants(arch))}" for arch in ARCH_NAMES)
     except Exception:
-        names = "submission.KERNEL_VARIANTS"
+        names = "submission.py's variants"
     section = "tests" if mode == "test" else "benchmarks"
     parser = OneLineArgumentParser(
         prog=f"eval.py {mode}", add_help=False,
@@ -677,7 +803,9 @@ def mode_parser(mode: str) -> OneLineArgumentParser:
     parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"), metavar="FILE",
                         help=f"task.yml (its '{section}' list; the default) or a runner text file, one case per line")
     parser.add_argument("--variants", metavar="A,B",
-                        help=f"run the mode once per B200 kernel variant, comma-separated, one table each ({names})")
+                        help="run the mode once per kernel variant, comma-separated, one table each; the names of "
+                             "the GPU's own arch, selected as set_variant (B200) or set_sm90_variant (Hopper) would "
+                             f"({names})")
     parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     return parser
 
@@ -691,12 +819,23 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] in TOOL_MODES:
         return TOOL_MODES[argv[0]](argv[1:])
     parser = OneLineArgumentParser(prog="eval.py", add_help=False)
-    parser.add_argument("mode", nargs="?", default="test")
+    parser.add_argument("mode", nargs="?")
     parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"))
     parser.add_argument("--variants", metavar="A,B")
     parser.add_argument("-h", "--help", action="store_true")
-    # intermixed: options may come before, between or after MODE and FILE
-    mode = argv[0] if fd and argv else parser.parse_known_intermixed_args(argv)[0].mode
+    if fd:  # the runner's protocol: its own arguments, MODE FILE
+        mode = argv[0] if argv else None
+        if mode is None:
+            return popcorn_main(fd, argv)
+    else:  # intermixed: options may come before, between or after MODE and FILE
+        known = parser.parse_known_intermixed_args(argv)[0]
+        mode = known.mode
+        if mode is None:
+            if known.help:  # `eval.py --variants x -h`: all of the help, as `eval.py --help`
+                print(__doc__)
+                return 0
+            print(bare_usage(), file=sys.stderr)
+            return 2
     if mode not in modes:
         return usage_error("eval.py", f"unknown mode {mode!r}; choose one of {', '.join(modes)} "
                                       "(python eval.py --help)")
@@ -726,13 +865,17 @@ def main(argv: list[str]) -> int:
     if problem:
         print(f"eval.py: cannot run '{mode}': {problem}", file=sys.stderr)
         return 2
+    arch = None
+    if variants:
+        arch, problem = variants_arch(variants)
+        if problem:
+            return usage_error("eval.py", problem)
     status = 0
     for variant in variants or [None]:
         if variant:
-            # The spawned worker imports the submission afresh and starts on this kernel variant.
-            os.environ["NVFP4_KERNEL_VARIANT"] = variant
             print(f"== kernel variant {variant}", flush=True)
-        with make_pool() as pool:
+        # The spawned worker imports the submission afresh and starts on this variant (the setter of its arch).
+        with make_pool(_start_worker, (arch, variant)) as pool:
             if mode == "test":
                 status |= human_test(pool, tests)
             elif mode == "profile":

@@ -24,9 +24,10 @@ def _init_worker():
     os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
 
 
-def make_pool():
-    """One spawned worker, as the runner uses: each case runs in a fresh interpreter state."""
-    return multiprocessing.get_context("spawn").Pool(1, initializer=_init_worker)
+def make_pool(initializer=_init_worker, initargs=()):
+    """One spawned worker, as the runner uses: each case runs in a fresh interpreter state. `initializer`
+    (which must call _init_worker) runs first in the worker, with `initargs`."""
+    return multiprocessing.get_context("spawn").Pool(1, initializer=initializer, initargs=initargs)
 
 
 

@@ -231,8 +231,12 @@ class Sm100GemmConfig(Sm100TileConfig):
 class Sm100PersistentConfig(Sm100TileConfig):
     """Compile-time configuration of `Sm100PersistentGroupedGemmKernel` (everything baked in but G).
 
-    The stage counts are derived here from the shared-memory budget, so the compile key (which holds
-    this object) and `kernel_resources` see them without building anything.
+    The stage counts are not fields: they are derived here from the shared-memory budget
+    (DYNAMIC_SMEM_BUDGET), so the compile key (which holds this object) and `kernel_resources` see them
+    without building anything. `num_ab_stages`: as many A/B stages (`ab_stage_bytes`, set by
+    mma_tiler_mnk) as fit beside smem_header_bytes and min_c_stages C slices (`c_stage_bytes`, set by
+    epi_tile_n); `num_c_stages`: what is left, in C slices. Passing either to the constructor is a TypeError
+    that says so.
     """
 
     # Two accumulators in tensor memory: the epilogue drains tile i while the MMA warp fills tile i + 1.
@@ -248,6 +252,18 @@ class Sm100PersistentConfig(Sm100TileConfig):
     smem_header_bytes: int = 1024
     # Programmatic dependent launch (USE_PDL).
     use_pdl: bool = USE_PDL
+
+    # The stage counts are properties (below), not fields: passing one gets this error rather than the
+    # dataclass's bare "unexpected keyword argument".
+    _DERIVED_FIELDS = ("num_ab_stages", "num_c_stages")
+
+    def __new__(cls, *args, **kwargs):
+        derived = [name for name in cls._DERIVED_FIELDS if name in kwargs]
+        if derived:
+            raise TypeError(f"{cls.__name__}({derived[0]}=...): the stage counts are derived from the shared-memory "
+                            "budget (DYNAMIC_SMEM_BUDGET), not set: they follow from mma_tiler_mnk, epi_tile_n, "
+                            "min_c_stages and smem_header_bytes")
+        return super().__new__(cls)
 
     def __post_init__(self):
         tile_m, tile_n, tile_k = self.mma_tiler_mnk
@@ -332,7 +348,8 @@ SM100_CONFIG = Sm100GemmConfig()
 
 # Blackwell tile table: the rows custom_kernel chooses from per problem (choose_sm100_config) when
 # KERNEL_VARIANT is "persistent". All are 1-CTA 128-row MMAs; N = 256 leaves tensor memory for one
-# accumulator only.
+# accumulator only. A row sets its tile; its A/B and C stage counts are derived from the shared-memory
+# budget (Sm100PersistentConfig.num_ab_stages / num_c_stages, properties; kernel_resources(variant) shows them).
 SM100_TILE_N64 = Sm100PersistentConfig(mma_tiler_mnk=(128, 64, 256))
 SM100_TILE_N128 = Sm100PersistentConfig(mma_tiler_mnk=(128, 128, 256))
 SM100_TILE_N256 = Sm100PersistentConfig(mma_tiler_mnk=(128, 256, 256), num_acc_stages=1)

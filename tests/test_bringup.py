@@ -1178,7 +1178,7 @@ def test_job_descriptors_reads_the_calls_own_workspace(stand_in, monkeypatch):
         return types.SimpleNamespace(workspace=workspace)
 
     fake = types.SimpleNamespace(
-        custom_kernel=reference.ref_kernel, non_empty_groups=submission.non_empty_groups,
+        custom_kernel=reference.ref_kernel, first_launched_group=submission.first_launched_group,
         kernel_config=lambda data, device: submission.SM100_TILE_N128, launch_metadata=launch_metadata,
         Sm100PersistentConfig=submission.Sm100PersistentConfig, Sm100TensorMapSlot=submission.Sm100TensorMapSlot,
         TensorMapSlot=submission.TensorMapSlot)
@@ -1192,6 +1192,23 @@ def test_job_descriptors_reads_the_calls_own_workspace(stand_in, monkeypatch):
     fake.launch_metadata = lambda data, device, config: types.SimpleNamespace(workspace=_descriptor_bytes(3, 4, {}))
     result = bringup.job_descriptors(ARGS)
     assert result["status"] == "ok" and result["row_kind"] == "tile" and len(result["bit85"]) == 3
+
+
+def test_job_descriptors_skips_the_rows_of_empty_groups(stand_in, monkeypatch):
+    # An empty group's row is never written (no descriptor for an empty tensor): whatever it holds, even bit
+    # 85, is not reported; the written rows still are.
+    workspace = _descriptor_bytes(3, 5, {(0, 2): [85], (2, 0): [85]})
+    fake = types.SimpleNamespace(
+        custom_kernel=reference.ref_kernel, first_launched_group=submission.first_launched_group,
+        kernel_config=lambda data, device: submission.SM100_TILE_N128,
+        launch_metadata=lambda data, device, config: types.SimpleNamespace(workspace=workspace),
+        Sm100PersistentConfig=submission.Sm100PersistentConfig, Sm100TensorMapSlot=submission.Sm100TensorMapSlot,
+        TensorMapSlot=submission.TensorMapSlot)
+    monkeypatch.setitem(sys.modules, "submission", fake)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    result = bringup.job_descriptors(dict(m=[0, 64, 40], n=[128, 256, 128], k=[256, 256, 512], g=3, seed=4))
+    assert result["bit85"][0] is None and result["set_in"] == ["group 2 A"] and result["status"] == "fail"
+    assert "1 of 10 descriptors" in result["error"]
 
 
 def _pattern_worker(script):

@@ -212,7 +212,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import submission
 arch, variant, part = sys.argv[2:5]
-configs = submission.SM90_VARIANT_CONFIGS if arch.startswith("sm_90") else submission.VARIANT_CONFIGS
+configs = submission.backend_for_arch(arch).variant_configs
 try:
     submission.compiled_kernel(submission.compile_key(2, arch, configs[variant], part))
 except Exception as err:  # 4.3.x without a driver: the PTX is written, then loading it fails
@@ -297,7 +297,7 @@ def test_sm100a_descriptors_are_released_with_bit_85_clear(tmp_path, variant, pa
     print(f"{variant} {part}: " + " ".join(lines[i - 1:i + 2]) + f" (and {len(clears) - 1} more descriptors)")
 
 
-@pytest.mark.parametrize("variant", tuple(submission.SM90_VARIANT_CONFIGS) if submission else ())
+@pytest.mark.parametrize("variant", tuple(submission_sm90.SM90_VARIANT_CONFIGS) if submission_sm90 else ())
 def test_sm90a_descriptors_keep_bit_85(tmp_path, variant):
     ptx = _kernel_ptx(tmp_path, "sm_90a", variant, "tensormaps", "GroupTensormapKernel")
     assert "tensormap.cp_fenceproxy" in ptx and "tensormap.replace" in ptx  # the preparation kernel it is

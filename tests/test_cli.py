@@ -1,12 +1,16 @@
 """The command line as a new user meets it: every mistake in eval.py and bench.py ends in one line on stderr
 that names the culprit and a non-zero exit, never a traceback; the setters take only what they document;
 `eval.py compile` builds the kernels the cases would run, one row each."""
+import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ import submission
 import submission_sm90
 from conftest import ROOT, load_task_yml
 
+HOPPER = ev.hopper_module()  # every Hopper name (SM90_VARIANTS, set_sm90_variant, ...) through eval.py's accessor
 TRUNCATED_YAML = 'tests:\n  - {"m": [96, 128], "n": [128'
 
 
@@ -480,6 +485,17 @@ def test_compile_builds_each_kernel_the_cases_run_once(tmp_path, capsys, monkeyp
     entries = json.loads(report.read_text())
     assert [(e["groups"], tuple(e["tile_mn"])) for e in entries] == expected
 
+    # Regression: the default `persistent` variant's 128x64 builds were labelled `persistent_n64` (and
+    # sm90_auto's by the forced variant compile_for builds them as). Every row is the default's; the JSON
+    # keeps what each was built as.
+    default = "sm90_auto" if arch == "sm_90a" else "persistent"
+    assert all(row.startswith(default + " ") for row in kernel_rows + case_rows), kernel_rows
+    assert {e["variant"] for e in entries} == {default}
+    assert {e["built_as"] for e in entries} == {variant for _, variant in built}
+    if arch == "sm_100a":  # the 128x64 row is in play and built as the variant that forces it
+        assert "persistent_n64" in {e["built_as"] for e in entries}
+        assert not any("persistent_n64" in row for row in kernel_rows + case_rows)
+
 
 @pytest.mark.parametrize("present", [("tests",), ("benchmarks",), ("tests", "benchmarks")])
 def test_compile_reads_the_lists_a_task_file_has(tmp_path, capsys, fake_builds, present):
@@ -511,10 +527,14 @@ def test_mode_help_is_the_mode_s_usage_and_options(mode):
 
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_90a"])
 def test_compile_table_explains_its_columns_and_shows_only_the_arch_s_own(capsys, monkeypatch, fake_builds, arch):
-    # the builds report what a 4.8.x build of either arch reports: no dynamic shared memory from the DSL
+    # the builds report what a 4.8.x build of either arch reports: the GEMM's SharedStorage as built, and on
+    # sm_100a the kernel's own plan besides (the DSL's launch record is 0 there)
     def build(num_groups, build_arch, cuobjdump, variant=None):
         fake_builds(num_groups, build_arch, cuobjdump, variant)
-        info = {"planned_smem_bytes": 226304, "tmem_cols": "288/512"} if build_arch == "sm_100a" else {}
+        info = {"shared_storage_bytes": 202752}
+        if build_arch == "sm_100a":
+            info = {"shared_storage_bytes": 226304, "planned_smem_bytes": 226304, "planned_smem_is_min": False,
+                    "tmem_cols": "288/512"}
         return {"ok": True, "error": "", "seconds": 3.25, "resources": {"REG": 40, "SHARED": 1024},
                 "sass": dict.fromkeys(ev.SASS_OPS, 1), "info": info}
 
@@ -530,12 +550,66 @@ def test_compile_table_explains_its_columns_and_shows_only_the_arch_s_own(capsys
     assert "seconds the build took" in legend["s"]
     blackwell_only = {"tmem", "UTCOMMA", "UTCQMMA", "UTCCP"}
     hopper_only = {"HGMMA", "WGDEP1"}
+    assert "kernel" in legend and "the default's name" in legend["kernel"]
+    assert "static" in legend["static[B]"] and "SharedStorage" in legend["dynamic[B]"]
+    assert "static + dynamic" in legend["smem[B]"]
     if arch == "sm_90a":
         assert not blackwell_only & set(header) and hopper_only <= set(header)
-        assert "+?" not in row and " - " not in row and cells["smem[B]"] == "1024", row
+        assert " - " not in row and "?" not in row, row
+        # Regression: Hopper rows showed `smem 1024`, the DSL's static part alone (read as 1 KB in all)
+        assert (cells["static[B]"], cells["dynamic[B]"], cells["smem[B]"]) == ("1024", "202752", "203776"), row
     else:
         assert blackwell_only <= set(header) and not hopper_only & set(header)
-        assert cells["smem[B]"] == "1024+226304" and cells["tmem"] == "288/512", row
+        assert (cells["static[B]"], cells["dynamic[B]"], cells["smem[B]"]) == ("1024", "226304", "227328"), row
+        assert cells["tmem"] == "288/512", row
+
+
+# (what a build reports, the static, dynamic and total cells): the kernel's SharedStorage as built comes
+# first, then the DSL's launch record (4.3.x), then the kernel's own plan, marked where it is a lower bound
+SMEM_REPORTS = [
+    ({"shared_storage_bytes": 202752}, ("1024", "202752", "203776")),
+    ({"shared_storage_bytes": 202752, "dynamic_smem_bytes": 5, "planned_smem_bytes": 7}, ("1024", "202752", "203776")),
+    ({"dynamic_smem_bytes": 37888, "planned_smem_bytes": 37376, "planned_smem_is_min": True},
+     ("1024", "37888", "38912")),
+    ({"planned_smem_bytes": 37376, "planned_smem_is_min": True}, ("1024", ">=37376", ">=38400")),
+    ({"planned_smem_bytes": 226304, "planned_smem_is_min": False}, ("1024", "226304", "227328")),
+    ({}, ("1024", "?", "?")),
+]
+
+
+@pytest.mark.parametrize("info,cells", SMEM_REPORTS)
+def test_compile_shared_memory_cells(info, cells):
+    assert ev.smem_cells({"resources": {"SHARED": 1024}, "info": info}) == cells
+    assert ev.smem_cells({"info": info})[::2] == ("?", "?")  # no cubin read: neither static nor the sum
+
+
+def test_the_build_script_reports_the_kernel_s_shared_storage(tmp_path):
+    # build_one's script run against a stand-in DSL and submission: the GEMM's SharedStorage (the kernel
+    # object compiled first that has one) is what it reports, as built
+    fake = tmp_path / "fake"
+    (fake / "cutlass").mkdir(parents=True)
+    (fake / "cutlass" / "__init__.py").write_text("")
+    (fake / "cutlass" / "cute.py").write_text("def compile(kernel, *args, **kwargs):\n    return kernel\n")
+    (fake / "submission.py").write_text(textwrap.dedent("""
+        import cutlass.cute as cute
+        class Storage:
+            @staticmethod
+            def size_in_bytes():
+                return 202752
+        class Gemm:
+            shared_storage = Storage
+        class Tensormaps:
+            pass
+        def compile_for(num_groups, arch, *variant):
+            cute.compile(Gemm())
+            cute.compile(Tensormaps())
+            return None
+    """))
+    proc = subprocess.run([sys.executable, "-c", ev._BUILD_SCRIPT, str(fake), "2", "sm_90a"], capture_output=True,
+                          text=True, timeout=600, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("BUILD_RESULT "))
+    result = json.loads(line[len("BUILD_RESULT "):])
+    assert result["ok"] and result["info"]["shared_storage_bytes"] == 202752, result
 
 
 def test_compile_groups_leave_the_case_file_alone(tmp_path, capsys, fake_builds):
@@ -600,6 +674,182 @@ def test_fit_label_never_cuts_inside_a_number(width):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Bare eval.py, --variants of either arch
+# ---------------------------------------------------------------------------------------------------------
+def test_bare_eval_prints_the_modes_and_runs_nothing(capsys, monkeypatch):
+    # Regression: bare `python eval.py` ran `test` (on a CPU machine: exit 2 on the GPU check, no word of
+    # what to run instead).
+    monkeypatch.setattr(ev, "gpu_problem", _refuse_gpu)
+    monkeypatch.setattr(ev, "make_pool", _refuse_build)
+    assert ev.main([]) == 2  # argparse's status for a missing argument
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert captured.out == "" and lines[0].startswith("usage: python eval.py MODE [FILE]"), captured.err
+    listed = [line.split()[0] for line in lines[2:-1]]
+    assert listed == [*ev.RUN_MODES, *ev.TOOL_MODES] and lines[1] == "modes:", lines
+    assert lines[-1].startswith("eval.py: no mode given") and "python eval.py compile" in lines[-1]
+    assert ev.main(["--variants", "seed"]) == 2 and "no mode given" in capsys.readouterr().err  # options alone
+
+
+def test_bare_eval_in_a_subprocess():
+    proc = run("eval.py")
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("usage: python eval.py MODE") and "CUDA" not in proc.stderr, proc.stderr
+
+
+class InlineRuns(list):
+    """Stands in for the spawned workers: the worker's start runs in this process, and each run records the
+    variants custom_kernel would then run on, (KERNEL_VARIANT, SM90_VARIANT)."""
+
+    def make_pool(self, initializer, initargs):
+        initializer(*initargs)
+        return contextlib.nullcontext(None)
+
+    def run(self, pool, tests, *rest, **options):
+        self.append((submission.KERNEL_VARIANT, HOPPER.SM90_VARIANT))
+        return 0
+
+
+@pytest.fixture
+def inline_runs(monkeypatch):
+    runs = InlineRuns()
+    monkeypatch.setattr(submission, "KERNEL_VARIANT", "persistent")
+    monkeypatch.setattr(HOPPER, "SM90_VARIANT", "sm90_auto")
+    monkeypatch.setattr(ev, "gpu_problem", lambda: None)
+    monkeypatch.setattr(ev, "make_pool", runs.make_pool)
+    for mode in ("human_test", "human_benchmark", "human_profile"):
+        monkeypatch.setattr(ev, mode, runs.run)
+    return runs
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_variants_take_the_gpu_s_own_arch_s_names_through_its_setter(capsys, monkeypatch, inline_runs, arch):
+    # Regression: --variants took B200 names only; comparing Hopper variants needed NVFP4_SM90_VARIANT.
+    monkeypatch.setattr(submission, "_target_arch", lambda device: arch)
+    names = [name for name in ev.arch_variants(arch) if name not in ("persistent", "sm90_auto")][:2]
+    assert len(names) == 2
+    assert ev.main(["benchmark", "--variants", ",".join(names)]) == 0
+    if arch == "sm_90a":
+        assert inline_runs == [("persistent", name) for name in names]
+    else:
+        assert inline_runs == [(name, "sm90_auto") for name in names]
+    out = capsys.readouterr().out
+    assert all(f"== kernel variant {name}" in out for name in names)
+    assert not any(key.startswith("NVFP4_") for key in os.environ)  # the setters, not the environment
+
+
+@pytest.mark.parametrize("gpu,name,owner", [("sm_100a", "sm90_a16_mexact", "Hopper (sm_90a)"),
+                                            ("sm_90a", "persistent_n64", "B200 (sm_100a)"),
+                                            ("sm_80a", "sm90_auto", "Hopper (sm_90a)")])
+def test_a_variant_of_the_other_arch_says_which_arch_it_belongs_to(capsys, monkeypatch, inline_runs, gpu, name,
+                                                                    owner):
+    monkeypatch.setattr(submission, "_target_arch", lambda device: gpu)
+    line = in_process_line(capsys, ev.main(["test", "--variants", f"{name}"]), 2)
+    assert line.startswith("eval.py: --variants: ") and f"{name!r} is a {owner} kernel variant" in line, line
+    assert f"this GPU is {gpu}" in line, line
+    if gpu != "sm_80a":  # the names this GPU takes
+        assert all(own in line for own in ev.arch_variants(gpu)), line
+    assert inline_runs == []
+
+
+def test_variants_of_both_arches_are_refused_before_the_gpu(capsys, monkeypatch, inline_runs):
+    monkeypatch.setattr(ev, "gpu_problem", _refuse_gpu)
+    line = in_process_line(capsys, ev.main(["test", "--variants", "seed,sm90_tile128,persistent"]), 2)
+    assert "'seed' is a B200 (sm_100a) variant and 'sm90_tile128' a Hopper (sm_90a) one" in line, line
+    line = in_process_line(capsys, ev.main(["test", "--variants", "sm90_tile129"]), 2)
+    assert "unknown kernel variant 'sm90_tile129'" in line and "sm90_tile128" in line and "seed" in line, line
+
+
+def test_mode_help_lists_the_variants_of_both_arches(capsys):
+    assert ev.main(["test", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert all(name in out for name in (*submission.KERNEL_VARIANTS, *HOPPER.SM90_VARIANTS))
+    assert "set_sm90_variant" in out and "GPU's own arch" in out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# export over an existing file
+# ---------------------------------------------------------------------------------------------------------
+def test_export_refuses_to_overwrite_the_tracked_source(tmp_path):
+    # Regression: `eval.py export --variant seed -o submission.py` silently rewrote the tracked source, exit 0.
+    # Run in a copy of the project (a git repository where git exists), so that a regression cannot damage
+    # this checkout's submission.py.
+    for name in ("eval.py", "harness.py", "bringup.py", "submission.py", "task.py"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    git = shutil.which("git")
+    if git:
+        subprocess.run([git, "init", "-q", "."], cwd=tmp_path, check=True, timeout=60)
+        subprocess.run([git, "add", "submission.py"], cwd=tmp_path, check=True, timeout=60)
+    before = (tmp_path / "submission.py").read_bytes()
+    proc = subprocess.run([sys.executable, "eval.py", "export", "--variant", "seed", "-o", "submission.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("NVFP4_")})
+    line = one_line(proc, 2)
+    assert line.startswith("eval.py export: submission.py exists") and "pass --force" in line, line
+    assert ("tracked by git" in line) == bool(git), line
+    assert (tmp_path / "submission.py").read_bytes() == before and proc.stdout == ""
+
+
+def test_export_writes_a_new_file_and_overwrites_only_with_force(tmp_path, capsys):
+    import bringup
+
+    out = tmp_path / "sub.py"
+    out.write_text("mine\n")
+    line = in_process_line(capsys, bringup.export_main(["--variant", "seed", "-o", str(out)]), 2)
+    assert f"{out} exists; pass --force" in line and "tracked" not in line, line
+    assert out.read_text() == "mine\n"
+    assert bringup.export_main(["--variant", "seed", "-o", str(out), "--force"]) == 0
+    assert bringup.default_line("b200", "seed") in out.read_text()
+    capsys.readouterr()
+    line = in_process_line(capsys, bringup.export_main(["--variant", "seed", "-o", str(tmp_path), "--force"]), 2)
+    assert "is a directory" in line, line
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_export_names_a_file_git_tracks(tmp_path):
+    import bringup
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True, timeout=60)
+    tracked, untracked = tmp_path / "tracked.py", tmp_path / "untracked.py"
+    tracked.write_text("")
+    untracked.write_text("")
+    subprocess.run(["git", "add", "tracked.py"], cwd=tmp_path, check=True, timeout=60)
+    assert bringup.overwrite_refusal(tracked) == f"{tracked} exists and is tracked by git"
+    assert bringup.overwrite_refusal(untracked) == f"{untracked} exists"
+    assert bringup.overwrite_refusal(tmp_path / "new.py") is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The derived B200 stage counts
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field", ["num_ab_stages", "num_c_stages"])
+def test_the_derived_b200_stage_counts_cannot_be_passed(field):
+    # Regression: Sm100PersistentConfig(num_ab_stages=...) was a bare "unexpected keyword argument"; the
+    # counts are properties derived from the shared-memory budget.
+    config = submission.SM100_TILE_N64
+    with pytest.raises(TypeError, match=re.escape(f"Sm100PersistentConfig({field}=...): the stage counts are derived "
+                                                  "from the shared-memory budget")) as raised:
+        submission.Sm100PersistentConfig(mma_tiler_mnk=(128, 64, 256), **{field: 3})
+    assert all(name in str(raised.value) for name in ("mma_tiler_mnk", "epi_tile_n", "min_c_stages"))
+    with pytest.raises(TypeError, match="derived from the shared-memory budget"):
+        dataclasses.replace(config, **{field: 3})
+    # what sets them still does, and the derivation fills the budget
+    assert dataclasses.replace(config, min_c_stages=4).num_c_stages >= 4
+    used = config.smem_header_bytes + config.num_ab_stages * config.ab_stage_bytes
+    assert used + config.num_c_stages * config.c_stage_bytes <= submission.DYNAMIC_SMEM_BUDGET
+    assert submission.DYNAMIC_SMEM_BUDGET - used - config.num_c_stages * config.c_stage_bytes < config.c_stage_bytes
+
+
+def test_the_tile_table_says_its_stage_counts_are_derived():
+    source = (ROOT / "submission.py").read_text()
+    table = source[:source.index("SM100_TILE_TABLE = (")]
+    comment = table[table.rindex("# Blackwell tile table"):]
+    for text in (" ".join(line.lstrip("# ") for line in comment.splitlines()),
+                 " ".join(submission.Sm100PersistentConfig.__doc__.split())):
+        assert "derived" in text and "from the shared-memory budget" in text, text
+
+
+# ---------------------------------------------------------------------------------------------------------
 # A real build (minutes on a small CPU; marked build)
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.build
@@ -618,3 +868,28 @@ def test_compile_builds_the_case_kernel_and_the_extra_group_count(tmp_path, monk
         assert entry["ok"] and entry["sass"]["UTCOMMA"] > 0 and entry["sass"]["LDL"] == 0, entry
     rows = [line for line in proc.stdout.splitlines() if " OK " in line]
     assert len(rows) == 2 and rows[0].startswith(entries[0]["kernel"]) and rows[1].startswith(entries[1]["kernel"])
+    for entry in entries:  # the kernel's SharedStorage as built is its own plan, beside the DSL's static part
+        planned = submission.kernel_resources(entry["built_as"])["smem_bytes"]
+        assert entry["info"]["shared_storage_bytes"] == planned, entry["info"]
+        static = entry["resources"]["SHARED"]
+        assert entry["smem"] == dict(static=str(static), dynamic=str(planned), total=str(static + planned))
+
+
+@pytest.mark.build
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="needs nvidia-cutlass-dsl")
+@pytest.mark.skipif(ev.find_cuobjdump() is None, reason="needs cuobjdump (nvidia-cuda-cuobjdump)")
+def test_compile_shows_the_hopper_kernel_s_dynamic_shared_memory(tmp_path):
+    # Regression: Hopper rows showed `smem 1024`, the DSL's static part only.
+    cases = tmp_path / "cases.txt"
+    cases.write_text("m: [128]; n: [256]; k: [768]; g: 1; seed: 7\n")
+    report = tmp_path / "report.json"
+    proc = run("eval.py", "compile", "--arch", "sm_90a", cases, "--json", report)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (entry,) = json.loads(report.read_text())
+    assert entry["ok"] and entry["variant"] == "sm90_auto", entry
+    # the stage ring, the fp16 A buffers and two 16 KB epilogue slabs: far more than 1 KiB, within the budget
+    dynamic, static = entry["info"]["shared_storage_bytes"], entry["resources"]["SHARED"]
+    assert 128 * 1024 < dynamic <= submission.DYNAMIC_SMEM_BUDGET, entry["info"]
+    assert entry["smem"] == dict(static=str(static), dynamic=str(dynamic), total=str(static + dynamic))
+    (row,) = [line for line in proc.stdout.splitlines() if " OK " in line]
+    assert row.startswith("sm90_auto ") and f" {static} {dynamic} {static + dynamic} " in " ".join(row.split()) + " "
