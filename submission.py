@@ -34,40 +34,25 @@ How it runs on Blackwell (sm_100a): kernel variants (`KERNEL_VARIANT`, `set_vari
 docs/B200_DESIGN.md has the design, per-benchmark predictions and what no B200 has checked yet.
 
 Nothing above has run on a B200 (none was available to this project): it is checked by building for sm_100a
-and reading the SASS.
+and reading the SASS. On Hopper (sm_90a) the backend in `submission_sm90.py` runs the same host path with
+fp16 wgmma; it is how the project tests on an H200, loaded from beside this file, never needed on a B200.
+Each arch is one `KernelBackend` (config choice, compile, schedule, launch) behind the shared host path:
+constraint check, pointer/size tables, launch-metadata and compile caches, the prepared-call fast path and
+the launch paths (`LAUNCH_PATH`, by default the DSL's ctypes entry with its arguments packed once).
 
-On Hopper (sm_90a) the kernel of `submission_sm90.py` runs: the same input and host path, both operands
-dequantized to fp16 for wgmma. It is how this project tests on the GPU it has (an H200); submission.py loads
-it from beside itself on an sm_90 GPU and never needs it on a B200. Each arch is one `KernelBackend` (config
-choice, compile, schedule, launch) behind the shared host path: constraint check, pointer/size tables,
-launch-metadata and compile caches, the prepared-call fast path and the launch paths (`LAUNCH_PATH`: by
-default the DSL's ctypes entry with arguments packed once).
+Which GPU queue: every kernel here runs on the legacy default queue of the current device (the DSL compiles
+no queue argument; launches use handle 0), as does the table staging ring's event. A caller on another torch
+queue orders its work against the default queue before and after the call (README.md, "Which GPU queue").
 
-Which GPU queue: every kernel here (table upload, descriptor preparation, GEMM) runs on the legacy default
-queue of the current device, the queue torch calls its default one: the DSL compiles no queue argument into
-them and launches with queue handle 0. A caller on torch's default queue needs nothing more. A caller whose
-current torch queue is another one must make the default queue wait for its own work on the inputs before
-the call, and make its queue wait for the default one before it reads C (torch: `wait_...` of its current
-queue, given the default queue); README.md, "Which GPU queue the kernels run on", has the torch calls. The
-staging ring of the tables (`PinnedTableRing`) records its events on that same queue.
-
-How to use it:
+How to use it (each function's docstring has the details):
     custom_kernel(data)      GPU MODE entry point; data = (abc, sfasfb, sfasfb_reordered, problem_sizes)
-    can_implement(data)      (ok, reason) on CPU or GPU tensors, no GPU needed
-    check_problem_sizes(sizes)  (ok, reason) of can_implement's size rules alone, on [(m, n, k, l), ...]
-    set_variant(name)        one of KERNEL_VARIANTS; custom_kernel uses KERNEL_VARIANT at each call
-                             (NVFP4_KERNEL_VARIANT=name in the environment sets it at import; the default is
-                             the DEFAULT_KERNEL_VARIANT line, which `eval.py export` rewrites)
-    submission_sm90.set_sm90_variant(name)   Hopper: how the tile is chosen (NVFP4_SM90_VARIANT at import)
-    set_launch_path(name)    one of LAUNCH_PATHS ("tvm_ffi", "prepacked", "dsl"; NVFP4_LAUNCH_PATH=name at import)
+    can_implement(data)      (ok, reason) on CPU or GPU tensors; check_problem_sizes(sizes): its size rules
+    set_variant(name)        one of KERNEL_VARIANTS (NVFP4_KERNEL_VARIANT at import; default: the
+                             DEFAULT_KERNEL_VARIANT line, which `eval.py export` rewrites)
+    set_launch_path(name)    one of LAUNCH_PATHS (NVFP4_LAUNCH_PATH at import)
     set_pdl(on)              programmatic dependent launch of the persistent kernels (default on; NVFP4_PDL=0)
-    compile_for(num_groups, arch=None, variant=None)
-                             build only; to build without a GPU set CUTE_DSL_ARCH=sm_100a and ask the DSL to
-                             keep the cubin (4.3.x: CUTE_DSL_KEEP_CUBIN=1, 4.8.x: CUTE_DSL_KEEP=cubin) in
-                             CUTE_DSL_DUMP_DIR. DSL 4.3.x then raises DSLRuntimeError (no CUDA driver) after
-                             writing the cubin; 4.8.x returns.
-    kernel_resources(variant=None)
-                             shared memory, tensor-memory columns, stages and threads of a variant's kernel
+    compile_for(num_groups, arch=None, variant=None)   build only (CUTE_DSL_ARCH=sm_100a builds without a GPU)
+    kernel_resources(variant=None)   shared and tensor memory, stages and threads of a variant's kernel
 Builds with nvidia-cutlass-dsl 4.3.5 and 4.8.1.
 """
 import ctypes
@@ -110,10 +95,8 @@ DSL_VERSION = importlib.metadata.version("nvidia-cutlass-dsl")
 
 
 def fence_smem_for_async_proxy():
-    """Orders this thread's shared-memory stores before later async-proxy reads (TMA store).
-
-    4.3 takes enums (cute.arch.ProxyKind / SharedSpace), 4.8 takes strings ("async.shared", "cta").
-    """
+    """Orders this thread's shared-memory stores before later async-proxy reads (TMA store). 4.3 takes enums
+    (cute.arch.ProxyKind / SharedSpace), 4.8 takes strings ("async.shared", "cta")."""
     if hasattr(cute.arch, "ProxyKind"):
         cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
     else:
@@ -136,10 +119,9 @@ def _check_choice(what: str, name: str, choices: tuple) -> None:
         raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(choices)}")
 
 
-# Programmatic dependent launch for the persistent kernels (both arches): each launch lets the next one on
-# the queue start its CTAs early, and waits (griddepcontrol.wait) for the previous grid before touching
-# global memory, so only set-up overlaps. NVFP4_PDL=0 at import builds them without it.
-# set_pdl() switches it at run time (kernels of both settings stay cached side by side).
+# Programmatic dependent launch for the persistent kernels (both arches): each launch lets the next on the
+# queue start its CTAs early and waits (griddepcontrol.wait) for the previous grid before touching global
+# memory, so only set-up overlaps. Off with NVFP4_PDL=0 at import or set_pdl() (both builds stay cached).
 USE_PDL = _choice_from_env("NVFP4_PDL", "1", ("0", "1")) == "1"
 
 
@@ -231,12 +213,9 @@ class Sm100GemmConfig(Sm100TileConfig):
 class Sm100PersistentConfig(Sm100TileConfig):
     """Compile-time configuration of `Sm100PersistentGroupedGemmKernel` (everything baked in but G).
 
-    The stage counts are not fields: they are derived here from the shared-memory budget
-    (DYNAMIC_SMEM_BUDGET), so the compile key (which holds this object) and `kernel_resources` see them
-    without building anything. `num_ab_stages`: as many A/B stages (`ab_stage_bytes`, set by
-    mma_tiler_mnk) as fit beside smem_header_bytes and min_c_stages C slices (`c_stage_bytes`, set by
-    epi_tile_n); `num_c_stages`: what is left, in C slices. Passing either to the constructor is a TypeError
-    that says so.
+    The stage counts are properties derived from the shared-memory budget (DYNAMIC_SMEM_BUDGET), so the
+    compile key and `kernel_resources` see them without a build: `num_ab_stages` A/B stages fit beside the
+    header and min_c_stages C slices, `num_c_stages` fill what is left. Passing either is a TypeError.
     """
 
     # Two accumulators in tensor memory: the epilogue drains tile i while the MMA warp fills tile i + 1.
@@ -253,8 +232,7 @@ class Sm100PersistentConfig(Sm100TileConfig):
     # Programmatic dependent launch (USE_PDL).
     use_pdl: bool = USE_PDL
 
-    # The stage counts are properties (below), not fields: passing one gets this error rather than the
-    # dataclass's bare "unexpected keyword argument".
+    # Passing a stage count gets this error, not the dataclass's bare "unexpected keyword argument".
     _DERIVED_FIELDS = ("num_ab_stages", "num_c_stages")
 
     def __new__(cls, *args, **kwargs):
@@ -346,25 +324,20 @@ class Sm100Warp(enum.IntEnum):
 
 SM100_CONFIG = Sm100GemmConfig()
 
-# Blackwell tile table: the rows custom_kernel chooses from per problem (choose_sm100_config) when
-# KERNEL_VARIANT is "persistent". All are 1-CTA 128-row MMAs; N = 256 leaves tensor memory for one
-# accumulator only. A row sets its tile; its A/B and C stage counts are derived from the shared-memory
-# budget (Sm100PersistentConfig.num_ab_stages / num_c_stages, properties; kernel_resources(variant) shows them).
+# Blackwell tile table: the rows "persistent" chooses from per problem (choose_sm100_config), all 1-CTA
+# 128-row MMAs (N = 256 leaves tensor memory for one accumulator). A row sets its tile; its stage counts are
+# derived from the shared-memory budget (Sm100PersistentConfig properties; kernel_resources shows them).
 SM100_TILE_N64 = Sm100PersistentConfig(mma_tiler_mnk=(128, 64, 256))
 SM100_TILE_N128 = Sm100PersistentConfig(mma_tiler_mnk=(128, 128, 256))
 SM100_TILE_N256 = Sm100PersistentConfig(mma_tiler_mnk=(128, 256, 256), num_acc_stages=1)
 SM100_TILE_TABLE = (SM100_TILE_N128, SM100_TILE_N64, SM100_TILE_N256)  # the first is the default row
 
-# The kernel custom_kernel runs, from the newest design to the seed's proven structure (a ladder to walk
-# down on a B200 if a step fails): change KERNEL_VARIANT here, or call set_variant() at run time; every
-# variant's compiled kernels and launch metadata stay cached side by side.
-#   "persistent"          persistent, warp-specialized; descriptors prepared once per group up front; the
-#                         tile chosen per problem from SM100_TILE_TABLE (its config here: the default row,
-#                         what compile_for builds)
-#   "persistent_n64", "persistent_n128", "persistent_n256"
-#                         the same kernel with one tile-table row forced
-#   "seed"                one CTA per 128x128 tile, one stage, SIMT epilogue (the leaderboard seed)
-# (CUTLASS's per-CTA descriptor patching, once a rung here, is retired: docs/B200_DESIGN.md, section 1.)
+# The kernels custom_kernel can run, newest design first down to the seed's proven structure (a ladder to
+# walk down on a B200 if a step fails); set_variant() switches, and every variant's kernels and launch
+# metadata stay cached side by side. "persistent" picks its tile-table row per problem (its config here, the
+# default row, is what compile_for builds); "persistent_nN" forces one row; "seed" is one CTA per 128x128
+# tile, one stage, SIMT epilogue. CUTLASS's per-CTA descriptor patching, once a rung here, is retired
+# (docs/B200_DESIGN.md, section 1).
 VARIANT_CONFIGS = {
     "persistent": SM100_TILE_N128,
     "persistent_n64": SM100_TILE_N64,
@@ -372,14 +345,12 @@ VARIANT_CONFIGS = {
     "persistent_n256": SM100_TILE_N256,
     "seed": SM100_CONFIG,
 }
-# Variants whose tile comes from the table per problem.
-TILE_TABLE_VARIANTS = frozenset({"persistent"})
+TILE_TABLE_VARIANTS = frozenset({"persistent"})  # variants whose tile comes from the table per problem
 KERNEL_VARIANTS = tuple(VARIANT_CONFIGS)
 
 
-# The default variant: the one marked line `eval.py export --variant NAME -o FILE` rewrites (and the one
-# to edit by hand). A fresh interpreter (eval.py's spawned workers) can start on another variant through
-# the environment; the leaderboard runner never sets it.
+# The default variant, on the one marked line `eval.py export --variant NAME -o FILE` rewrites (or edit it by
+# hand). eval.py's spawned workers may start on another through the environment; the leaderboard never does.
 DEFAULT_KERNEL_VARIANT = "persistent"  # eval.py export --variant NAME rewrites this line
 KERNEL_VARIANT = _choice_from_env("NVFP4_KERNEL_VARIANT", DEFAULT_KERNEL_VARIANT, KERNEL_VARIANTS)
 # Every Hopper variant's name starts so (submission_sm90.SM90_VARIANTS): set_variant names the right setter.
@@ -460,9 +431,7 @@ def variant_config(variant: str):
 
 def kernel_resources(variant: Optional[str] = None) -> dict:
     """Shared memory, tensor-memory columns, stages and threads of a variant's kernel (no build needed)."""
-    if variant is not None:
-        _check_choice("kernel variant", variant, KERNEL_VARIANTS)
-    return variant_config(variant or KERNEL_VARIANT).resources()
+    return SM100_BACKEND.compile_config(variant).resources()
 
 
 # TMA needs 16-byte aligned global addresses; the kernel assumes it of every operand and of C.
@@ -518,10 +487,9 @@ def table_words(num_groups: int) -> tuple:
     return ptr_words, ptr_words + num_groups * len(SizeColumn) // 2
 
 
-# The queue every kernel here runs on: the DSL compiles no queue argument into them and launches with queue
-# handle 0, which the CUDA runtime reads as the legacy default queue of the current device (the one torch
-# calls its default). 1 is the driver's explicit handle of that same queue (cuda.h's CU_..._LEGACY), which
-# means it whether or not anything was built with per-thread default queues.
+# The kernels' queue: the DSL launches them with handle 0, which the CUDA runtime reads as the legacy default
+# queue of the current device (torch's default). 1 is the driver's explicit handle of that same queue (cuda.h's
+# CU_..._LEGACY), which means it whether or not anything was built with per-thread default queues.
 LEGACY_DEFAULT_QUEUE = 1
 
 
@@ -536,11 +504,9 @@ def _cuda_driver():
 
 class KernelQueueEvent:
     """A CUDA event recorded on the kernels' queue (LEGACY_DEFAULT_QUEUE of the current device) through the
-    driver: torch records its events on torch's current queue, which a caller may have switched to another.
-
-    The driver event is created on the first record, in the current context, and made again if a record
-    finds the context changed (another device): the driver refuses an event of another context.
-    """
+    driver: torch records its events on torch's current queue, which a caller may have switched. Created on
+    the first record, in the current context, and made again if a record finds the context changed (another
+    device): the driver refuses an event of another context."""
 
     _driver = None
     _flags = 2  # CU_EVENT_DISABLE_TIMING: a cheaper record, and no timing is read
@@ -596,18 +562,17 @@ class KernelQueueEvent:
 
 
 class PinnedTableRing:
-    """Pinned host memory for the tables' staging copies, handed out round-robin in 16-byte pieces, allocated
-    once (page-locking memory per miss would cost a driver call each). `words` (the ring's size) is the
-    constructor's: a test builds a ring of a few pieces.
+    """Pinned host memory for the tables' staging copies, allocated once (page-locking per miss would cost a
+    driver call each) and handed out round-robin in 16-byte pieces; `words` is the ring's size (a test
+    builds one of a few pieces).
 
-    A piece is never handed out while an upload that reads its words may still be pending. Right after
-    launching the upload of a piece, the caller calls `uploaded()`, which records an event on the kernels'
-    queue (one record per launch-metadata miss; events whose work was seen complete are recorded again, not
-    made anew). `take()`, before it hands out words that earlier pieces occupied, checks those pieces'
-    events, newest first: `query()`, and `synchronize()` only on one still pending (once the newest is
-    done, the older ones on its queue are too, and their queries return at once). The prepared-call fast
-    path never reaches the ring. `new_event` makes the events (default `KernelQueueEvent`; a test passes
-    a fake with record/query/synchronize).
+    A piece is never handed out while an upload that reads its words may be pending. Right after launching a
+    piece's upload (once per launch-metadata miss) the caller calls `uploaded()`, which records an event on
+    the kernels' queue (events seen complete are reused). Before `take()` hands out words earlier pieces
+    held, it checks their events newest first: `query()`, and `synchronize()` only on one still pending (once
+    the newest is done, the older ones on its queue are too). The prepared-call fast path never reaches the
+    ring. `new_event` makes the events (default `KernelQueueEvent`; a test passes a fake with
+    record/query/synchronize).
     """
 
     def __init__(self, words: int, new_event: Optional[Callable[[], object]] = None):
@@ -669,14 +634,11 @@ _table_ring = PinnedTableRing(TABLE_RING_WORDS)
 
 
 def pack_group_metadata(data, device: torch.device) -> tuple:
-    """The two tables every kernel reads: (pinned host staging buffer, device buffer, pointer table int64
-    [G, PtrColumn] and size table int32 [G, SizeColumn] as views of the device buffer).
-
-    The device buffer is not written here: `TableUploadKernel` copies the staging piece (from
-    `PinnedTableRing`) into it on the kernels' own queue, so a new input set never makes the host wait for
-    the kernels already queued (a torch copy from pageable memory would). The caller launches that upload
-    and then calls `_table_ring.uploaded()`.
-    """
+    """The two tables every kernel reads: (pinned host staging piece, device buffer, pointer table int64
+    [G, PtrColumn] and size table int32 [G, SizeColumn] as views of the device buffer). The device buffer is
+    not written here: the caller launches `TableUploadKernel`, which copies the piece on the kernels' own
+    queue (so a new input set never makes the host wait for queued kernels, as a torch copy from pageable
+    memory would), then calls `_table_ring.uploaded()`."""
     abc, _, sfasfb_r, sizes = data
     num_groups = len(sizes)
     ptr_words, words = table_words(num_groups)
@@ -719,12 +681,9 @@ def descriptor_table(workspace_ptr, num_rows, slots: int):
 
 
 def launch_metadata_key(data, tile_mn: tuple = SM100_CONFIG.tile_mn) -> tuple:
-    """Everything the launch metadata (pointer/size tables, descriptor workspace) is built from.
-
-    Device, every pointer the kernel reads or writes, every problem size, and the tile shape that sets the
-    number of tiles. Strides are not in it: `can_implement` pins them to a function of the sizes.
-    Pure function of tensor metadata; works on CPU tensors.
-    """
+    """Everything the launch metadata (tables, descriptor workspace) is built from: device, every pointer the
+    kernel reads or writes, every problem size and the tile shape (it sets the tile count); not strides,
+    which `can_implement` pins to the sizes. Pure function of tensor metadata; works on CPU tensors."""
     abc, _, sfasfb_r, sizes = data
     groups = tuple(
         (a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa_r.data_ptr(), sfb_r.data_ptr(), *size)
@@ -817,11 +776,8 @@ def group_tile_coord(
     num_groups: cutlass.Constexpr[int],
 ):
     """Output tile `tile_idx` of all groups' tile grids laid end to end -> (group, tile row, tile column).
-
-    Tiles are numbered group by group, M fastest within a group. The launch grid holds exactly the total
-    tile count, so the last group takes whatever is left and needs no test. (Seed kernel: one search per
-    CTA; the persistent kernel walks with `GroupTileScheduler` instead.)
-    """
+    Tiles are numbered group by group, M fastest within a group; the grid holds exactly the total tile count,
+    so the last group takes whatever is left untested. (Seed kernel: one search per CTA.)"""
     group_idx = cutlass.Int32(0)
     tile_in_group = tile_idx
     for g in cutlass.range_constexpr(num_groups - 1):
@@ -838,17 +794,14 @@ def group_tile_coord(
 class GroupTileScheduler:
     """Static persistent schedule over the output tiles of all groups (arch-neutral).
 
-    Tiles are numbered group by group and, inside a group, M fastest: CTAs that run at the same time work
-    on neighbouring M tiles of one N column and so share that B tile (the large operand) through L2.
-    CTA b takes tiles b, b + grid, b + 2 grid, ... below `num_tiles`; every warp role of a CTA walks the
-    same sequence on its own, so the roles need no scheduling messages.
-
-    The group of a tile is found by a forward search that resumes where the previous tile's search
-    stopped (a CTA's tile index only grows): over a whole launch a CTA reads each group's size row at most
-    once, whatever G is, and no loop is unrolled over G.
-
-    The walk state is four Int32 values (tile, group, first tile of the group, tiles in the group) that
-    the role loops carry; this object holds only the size table and the tile shape.
+    Tiles are numbered group by group, M fastest inside a group: CTAs that run at the same time work on
+    neighbouring M tiles of one N column and so share that B tile (the large operand) through L2. CTA b
+    takes tiles b, b + grid, b + 2 grid, ... below `num_tiles`; every warp role of a CTA walks the same
+    sequence on its own, so the roles need no scheduling messages. A tile's group is found by a forward
+    search resuming where the previous tile's stopped (a CTA's tile index only grows): over a launch a CTA
+    reads each group's size row at most once, whatever G is, and no loop is unrolled over G. The walk state
+    is four Int32 values (tile, group, first tile of the group, tiles in the group) that the role loops
+    carry; this object holds only the size table and the tile shape.
     """
 
     def __init__(self, size_table: cute.Tensor, tile_m: int, tile_n: int):
@@ -893,11 +846,9 @@ class GroupTileScheduler:
 
 
 def make_operand_tensors(a_addr, b_addr, sfa_addr, sfb_addr, m, n, k, ab_dtype, sf_dtype, sf_vec_size: int):
-    """Global tensors A (m, k, l), B (n, k, l) (K contiguous) and their blocked scale tensors.
-
-    The host builds them on placeholder addresses and sizes to make the TMA atoms, the kernel on each
-    group's real ones to rewrite the descriptors: one statement of the layouts for both.
-    """
+    """Global tensors A (m, k, l), B (n, k, l) (K contiguous) and their blocked scale tensors: built by the
+    host on placeholder addresses and sizes to make the TMA atoms, by the kernel on each group's real ones to
+    rewrite the descriptors, so one statement of the layouts serves both."""
     a_ptr, b_ptr, sfa_ptr, sfb_ptr = (
         cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=GMEM_ALIGN_BYTES)
         for dtype, addr in ((ab_dtype, a_addr), (ab_dtype, b_addr), (sf_dtype, sfa_addr), (sf_dtype, sfb_addr))
@@ -924,15 +875,14 @@ def make_output_tensor(c_addr, m, n, c_dtype):
 
 
 # NOTES: NVIDIA driver 595.71.05 release notes, known issues: on Blackwell, cuTensorMapEncodeTiled and
-# cuTensorMapEncodeIm2col may set bit 85 of a TMA descriptor, the 128 KB out-of-bounds address mode, wrongly
-# when the tensor's allocation is under 128 KB and the tensor is not dense and non-overlapping: sporadic
-# illegal memory accesses or MMU faults. The workaround NVIDIA gives, which CUTLASS C++ and Triton apply after
-# encoding, is to clear the bit: bit 21 of the descriptor's 64-bit word 1. Every descriptor a B200 kernel
-# here uses starts as a copy of a template the DSL encoded on the host (a TMA atom made on placeholder
-# tensors, by whichever encoder that DSL version calls), and `tensormap.replace` patches address, sizes and
-# strides without touching that bit; so the bit is cleared on the device, in the copy staged in shared memory
-# before it is released, which covers the templates of every DSL version. Blackwell only: Hopper's
-# descriptors (sm_90a) keep every bit as encoded.
+# cuTensorMapEncodeIm2col may wrongly set bit 85 of a TMA descriptor (the 128 KB out-of-bounds address mode)
+# when the tensor's allocation is under 128 KB and the tensor is not dense and non-overlapping: sporadic illegal
+# memory accesses or MMU faults. NVIDIA's workaround, which CUTLASS C++ and Triton apply after encoding, is to
+# clear the bit: bit 21 of the descriptor's 64-bit word 1. Every B200 descriptor here starts as a copy of a
+# template the DSL encoded on the host (a TMA atom on placeholder tensors, by whichever encoder that DSL version
+# calls), and `tensormap.replace` patches address, sizes and strides without touching the bit; so it is cleared
+# on the device, in the copy staged in shared memory before its release, which covers every DSL version's
+# templates. Blackwell only: Hopper's descriptors (sm_90a) keep every bit as encoded.
 TMA_DESC_OOB_128K_WORD = 1
 TMA_DESC_OOB_128K_BIT = 21
 
@@ -950,19 +900,15 @@ def clear_oob_128k_bit(smem_ptrs: tuple):
 
 
 class TmaDescriptorRows:
-    """Where a kernel's TMA descriptors live in its global workspace, and how a warp role gets them.
+    """Where a kernel's TMA descriptors live in its global workspace (rows of `len(Sm100TensorMapSlot)`
+    128-byte descriptors) and how a warp role gets them. A DSL value (the role loops carry it); its runtime
+    parts are the workspace tensor, the CTA index and the shared-memory staging pointer.
 
-    The workspace is rows of `len(Sm100TensorMapSlot)` 128-byte descriptors.
-
-    up_front=True (the GEMMs): row g holds group g's descriptors, written before the kernel by a preparation
-      kernel (`GroupTensormapKernel`). A role only acquires a group's row (fence.proxy.tensormap acquire)
-      when its tile changes group; `stage_from_atoms` and `patch` are never needed.
-    up_front=False (the preparation kernel, whose CTA b writes row b): `stage_from_atoms` copies the
-      host-made descriptors into the CTA's shared-memory staging slots; `patch` rewrites a group's
-      address and sizes there and releases the result to the row.
-
-    A DSL value (the role loops carry it); its runtime parts are the workspace tensor, the CTA index and
-    the shared-memory staging pointer.
+    up_front=True (the GEMMs): row g holds group g's descriptors, written before the kernel by
+      `GroupTensormapKernel`; a role only acquires a row (fence.proxy.tensormap) when its tile changes group.
+    up_front=False (the preparation kernel, CTA b writes row b): `stage_from_atoms` copies the host-made
+      descriptors into shared-memory staging slots; `patch` rewrites a group's address and sizes there and
+      releases the result to the row.
     """
 
     def __init__(self, up_front: bool, tensormaps: cute.Tensor, cta_idx, smem_staging_ptr=None):
@@ -1053,10 +999,10 @@ class TensorMapSlot(enum.IntEnum):
 
 
 class Sm100LoadSetup:
-    """The block-scaled MMA, the staged shared-memory layouts of A, B, SFA, SFB and their TMA load atoms,
-    made on placeholder tensors (both Blackwell kernels; each group's descriptors get real addresses and
-    sizes later). The placeholder sizes are runtime values on purpose: static ones would make the TMA
-    coordinate tensors, which the kernels tile for every group, fixed-size ones."""
+    """The block-scaled MMA, staged shared-memory layouts of A, B, SFA, SFB and their TMA load atoms, made on
+    placeholder tensors (both Blackwell kernels; each group's descriptors get its real addresses and sizes).
+    The placeholder sizes are runtime values: static ones would fix the extent of the TMA coordinate
+    tensors, which the kernels tile for every group."""
 
     def __init__(self, tiled_mma, tiled_mma_sfb, smem_layouts_staged, atoms, gmem_tensors, stage_bytes):
         self.tiled_mma = tiled_mma
@@ -1263,8 +1209,7 @@ class Sm100BlockScaledGroupedGemmKernel:
             tensormap_manager.get_tensormap_ptr(tensormaps[(tile_idx, int(slot), None)].iterator)
             for slot in TensorMapSlot
         )
-        # The struct member's pointer type only carries 8-byte alignment; the descriptor ops need the
-        # 128 bytes that the Align above guarantees, so the pointer is remade with it.
+        # Remade with the 128-byte alignment the Align above guarantees (TmaDescriptorRows.__init__ says why).
         tensormap_smem_base = cute.make_ptr(cutlass.Int64, storage.tensormap_buffer.data_ptr().toint(),
                                             cute.AddressSpace.smem, assumed_align=TENSORMAP_BYTES)
         tensormap_smem_ptrs = tuple(tensormap_smem_base + int(slot) * (TENSORMAP_BYTES // 8)
@@ -1533,7 +1478,7 @@ class Sm100PersistentGroupedGemmKernel:
     * warp 5, TMA producer. Per 256-deep K step: TMA loads of A, B, SFA, SFB into stage s of the ab
       pipeline, through the descriptors of the tile's group (see "Descriptors").
     * warp 4, MMA issuer. Per tile: waits for a free accumulator stage; per K step waits for stage s, copies
-      SFA/SFB from shared to tensor memory (tcgen05.cp), issues four 128x128x64 block-scaled MMAs and
+      SFA/SFB from shared to tensor memory (tcgen05.cp), issues four 128xNx64 block-scaled MMAs and
       releases stage s when they complete (tcgen05.commit); then commits the accumulator.
     * warps 0-3, epilogue. Warp 0 allocates tensor memory and issues the C stores. Per tile: waits for the
       accumulator; per 128x32 slice: tensor memory -> registers (thread i = row i) -> fp16 -> shared-memory
@@ -1551,7 +1496,7 @@ class Sm100PersistentGroupedGemmKernel:
     their tile changes group and never rewrite one, so no TMA load or store is ever in flight on a
     descriptor being rewritten (the race of NVIDIA/cutlass #3165).
 
-    Tensor memory: num_acc_stages x 128 fp32 columns of accumulator, then one K step of SFA and of SFB.
+    Tensor memory: num_acc_stages x N fp32 columns of accumulator, then one K step of SFA and of SFB.
     Shared memory: header (barriers, tensor-memory address), C slices, A, B, SFA, SFB stages.
     """
 
@@ -1579,8 +1524,7 @@ class Sm100PersistentGroupedGemmKernel:
         """Called inside both jit host functions, so the prepared descriptors match the GEMM's atoms."""
         cfg = self.config
         tiler = cfg.mma_tiler_mnk
-        # Runtime placeholder sizes keep the coordinate tensors' extents open (static ones would bake a
-        # fixed extent into every tile's coordinates); the descriptors get each group's real ones.
+        # A runtime placeholder size (Sm100LoadSetup says why); the descriptors get each group's real ones.
         placeholder = cutlass.Int32(128)
         loads = Sm100LoadSetup.make(cfg, self.num_ab_stages, placeholder)
         tiled_mma = loads.tiled_mma
@@ -2061,17 +2005,15 @@ class Sm100PersistentGroupedGemmKernel:
 
 
 class GroupTensormapKernel:
-    """Writes every group's TMA descriptors for a GEMM whose descriptors are prepared up front (the Blackwell
-    persistent kernel and the Hopper kernel): both arches run this code.
+    """Writes every group's TMA descriptors for a GEMM that prepares them up front (the Blackwell persistent
+    kernel and the Hopper kernel: both arches run this code).
 
-    Grid (G, 1, 1), one warp per CTA: CTA g copies the GEMM's host-made descriptors (the same atoms, built
-    by the GEMM's own `descriptor_atoms`) into shared memory, clears their bit 85 where the GEMM says
-    `clears_oob_128k_bit` (the Blackwell one), patches in group g's addresses and sizes
-    (`group_descriptor_tensors`) and releases them to workspace row g; an empty group's row stays unwritten
-    (no tile reads it). Launched once per input set, on a
-    launch-metadata miss, after the table upload and ahead of the first GEMM on that workspace, on the same
-    queue: the GEMM (launched with programmatic dependent launch) waits for it before its first global
-    access and only acquires a row when its tile changes group.
+    Grid (G, 1, 1), one warp per CTA: CTA g stages the GEMM's host-made descriptors (its own
+    `descriptor_atoms`) in shared memory, clears their bit 85 where the GEMM `clears_oob_128k_bit`
+    (Blackwell), patches in group g's addresses and sizes (`group_descriptor_tensors`) and releases them to
+    workspace row g; an empty group's row stays unwritten (no tile reads it). Launched once per input set on
+    a launch-metadata miss, after the table upload and ahead of the first GEMM on that workspace, on the same
+    queue: the GEMM (programmatic dependent launch) waits for it before its first global access.
     """
 
     def __init__(self, gemm):
@@ -2137,16 +2079,15 @@ class GemmSchedule:
 
 
 class KernelBackend:
-    """One arch's kernels behind the shared host path. Each method is one decision the host path leaves to
-    the arch; an arch's backend lives in its kernel's file and registers itself (`register_backend`).
+    """One arch's kernels behind the shared host path; each method is one decision the host path leaves to
+    the arch. A backend lives in its kernel's file and registers itself (`register_backend`).
 
-      config(sizes, num_sms)           the config custom_kernel runs for these groups, by the arch's variant
-                                       setting (the tile per problem, or one forced)
-      compile_config(variant)          the config compile_for builds by name (None: the arch's default)
-      key_config(config)               the config as the compile key holds it: what is baked in
-      parts(config)                    the compiled kernels a variant launches, "gemm" first
-      compile(part, config, G, options)        cute.compile of one part at placeholder arguments
-      schedule(config, sizes, device, num_sms) its GemmSchedule
+      config(sizes, num_sms)       what custom_kernel runs, by the arch's variant setting (tile per problem)
+      compile_config(variant)      what compile_for builds by name (None: the arch's default)
+      key_config(config)           the config as the compile key holds it: what is baked in
+      parts(config)                the compiled kernels a variant launches, "gemm" first
+      compile(part, config, G, options)          cute.compile of one part at placeholder arguments
+      schedule(config, sizes, device, num_sms)   its GemmSchedule
       call_launcher(G, arch, config, kernel, metadata)   what one call launches
     """
 
@@ -2260,15 +2201,11 @@ def backend_of(config) -> KernelBackend:
 # Compile cache
 # ---------------------------------------------------------------------------------------------------------
 def compile_key(num_groups: int, arch: str, config=None, part: str = "gemm") -> tuple:
-    """The key of a compiled kernel: everything baked into it.
-
-    The group count is static (the size and pointer tables' layouts); the target arch and the DSL version
-    decide the code; the config (its class names the kernel; `KernelBackend.key_config` leaves out what is
-    chosen at run time) holds tile shape, stages, dtypes and the descriptor scheme; `part` is one of the
-    backend's parts ("gemm", "tensormaps": the descriptor preparation, ...) or "upload". Problem sizes,
-    pointers, tile count and grid size are not in it: the kernels read them at run time. `config` defaults
-    to the one of KERNEL_VARIANT.
-    """
+    """The key of a compiled kernel: everything baked into it. The group count (the tables' static layouts);
+    target arch and DSL version; the config (default KERNEL_VARIANT's; its class names the kernel, it holds
+    tile, stages, dtypes and descriptor scheme, less what `KernelBackend.key_config` leaves to run time);
+    `part`, one of the backend's ("gemm", "tensormaps", ...) or "upload"; the launch ABI. Problem sizes,
+    pointers, tile count and grid size are read at run time, so are not in it."""
     if config is None:
         config = variant_config(KERNEL_VARIANT)
     backend = _backends_by_config.get(type(config))
@@ -2320,12 +2257,10 @@ def _tvm_ffi_importable() -> bool:
     return True
 
 
-# "tvm_ffi": the kernel is compiled with the DSL's TVM-FFI entry (`--enable-tvm-ffi`) and called with plain
-#     ints through one C call (needs the apache-tvm-ffi package).
-# "prepacked": the DSL's ctypes entry, with the argument array packed once per prepared call; each launch
-#     is one ctypes call into the compiled host function.
+# "tvm_ffi": the DSL's TVM-FFI entry (`--enable-tvm-ffi`), plain ints in one C call (needs apache-tvm-ffi).
+# "prepacked" (the default, every DSL version): the DSL's ctypes entry, its argument array packed once per
+#     prepared call, so a launch is one ctypes call into the compiled host function.
 # "dsl": the DSL's documented call path (`generate_execution_args` once, `run_compiled_program` per call).
-# Default: "prepacked" on every DSL version; NVFP4_LAUNCH_PATH or set_launch_path choose another.
 # NOTES: measured host time per cached call, H200 host, one process per DSL: 4.5.2 (the runner's today, which
 # has no apache-tvm-ffi anyway) prepacked 5.04 us vs tvm_ffi 7.62; 4.3.5 and 4.8.1 within noise of each other
 # (docs/HISTORY.md). So "tvm_ffi" is opt-in, not the default where the package happens to import.
@@ -2367,13 +2302,10 @@ def _executor(kernel: Callable, device_index: int):
 
 
 def make_launcher(kernel: Callable, raw_args: tuple, to_dsl: Callable = kernel_args) -> Callable[[], object]:
-    """A no-argument callable that launches `kernel` with `raw_args` (plain ints; `to_dsl` makes the DSL
-    arguments of the ctypes entry from them), by LAUNCH_PATH.
-
-    The kernel must have been compiled for _launch_abi(). With "prepacked" the DSL's executor (bound to the
-    current device, as the DSL's own call binds it) packs the C argument array once; the array points at
-    storage that the converted arguments own, so the closure keeps them alive.
-    """
+    """A no-argument callable that launches `kernel`, compiled for _launch_abi(), with `raw_args` (plain ints;
+    `to_dsl` makes the ctypes entry's DSL arguments from them), by LAUNCH_PATH. With "prepacked" the DSL's
+    executor (bound to the current device, as the DSL's own call binds it) packs the C argument array once;
+    it points at storage the converted arguments own, so the closure keeps them alive."""
     if _launch_abi() == "tvm_ffi":
         # 4.8 wraps the TVM-FFI function for keyword arguments; the positional function is underneath.
         return functools.partial(getattr(kernel, "_tvm_ffi_function", None) or kernel, *raw_args)
@@ -2444,21 +2376,13 @@ def make_call_launcher(num_groups: int, arch: str, config, kernel: Callable, met
 
 
 def compile_for(num_groups: int, arch: Optional[str] = None, variant: Optional[str] = None) -> Callable:
-    """Build the kernels for `num_groups` groups, without launching them, through custom_kernel's cache.
-
-    The DSL builds for CUTE_DSL_ARCH when it is set (no GPU needed), else for the current GPU; `arch`, when
-    given, must name that same target. `variant` names one of the target backend's variants (sm_100a:
-    KERNEL_VARIANTS; sm_90a: submission_sm90.SM90_VARIANT_CONFIGS); by default the arch's own choice without
-    sizes (KERNEL_VARIANT; on sm_90a what "sm90_auto" runs). Another target raises UnsupportedDeviceError.
-    Returns the compiled GEMM kernel. The variant's other kernels (the descriptor preparation) are built
-    too, after the GEMM; their cubins' names sort before the GEMM's.
-
-    Without a CUDA driver, DSL 4.3.x writes the cubin (when asked to keep it) and then raises
-    cutlass.base_dsl.common.DSLRuntimeError, whose message begins "ICE" and names the cause
-    "CudaDriverDependencyError: CUDA Driver Dependency Error", while loading it; DSL 4.8.x loads lazily and
-    returns. So on 4.3.x without a driver only the GEMM is built (the preparation kernel builds on its own
-    in a fresh process: `compiled_kernel(compile_key(G, arch, config, "tensormaps"))`).
-    """
+    """Build the kernels for `num_groups` groups, without launching them, through custom_kernel's cache. The
+    DSL builds for CUTE_DSL_ARCH when it is set (no GPU needed), else for the current GPU; `arch`, when
+    given, must name that target. `variant`: one of the target backend's `variant_configs` (default: the
+    arch's own choice without sizes). Returns the compiled GEMM; the variant's other kernels are built after it.
+    To keep the cubin: CUTE_DSL_DUMP_DIR plus CUTE_DSL_KEEP_CUBIN=1 (4.3.x) or CUTE_DSL_KEEP=cubin (4.8.x).
+    Without a CUDA driver, 4.3.x writes the cubin, then raises DSLRuntimeError ("ICE ... CudaDriverDependency
+    Error") while loading it, so only the GEMM is built; 4.8.x loads lazily and returns."""
     target = _target_arch(None)
     if arch is not None and arch != target:
         raise ValueError(f"compile_for(arch={arch!r}), but the DSL builds for {target!r} (CUTE_DSL_ARCH or the GPU)")
@@ -2468,10 +2392,9 @@ def compile_for(num_groups: int, arch: Optional[str] = None, variant: Optional[s
 
 def build_kernels(problem_sizes, device: Optional[torch.device] = None) -> list:
     """Build, without launching, every kernel custom_kernel launches for groups of these sizes ((m, n, k, l)
-    each) on `device` (default: the current GPU), through custom_kernel's own choices and cache: built for
-    the group count as given, `kernel_config`'s kernel (the arch's variant, the tile per problem), the GEMM
-    for LAUNCH_PATH, its other parts and the table upload. Returns their compile keys (none when every group
-    is empty). `eval.py bringup` builds each variant's kernels with it before its cases run."""
+    each) on `device` (default: the current GPU), by custom_kernel's own choices and cache: `kernel_config`'s
+    GEMM for LAUNCH_PATH, its other parts and the table upload. Returns their compile keys (none when every
+    group is empty). `eval.py bringup` builds each variant's kernels with it before its cases run."""
     sizes = [tuple(size) for size in problem_sizes]
     if first_launched_group(sizes) is None:
         return []
@@ -2501,11 +2424,9 @@ KERNEL_TENSOR_NAMES = ("a", "b", "c", "sfa_reordered", "sfb_reordered")
 
 @functools.lru_cache(maxsize=4096)
 def _group_spec(size: tuple) -> tuple:
-    """(reason, None) if problem size (m, n, k, l) cannot run, else (None, per-tensor (dtype, shape, strides)).
-
-    strides is what the kernel reads the tensor with, None for a tensor it does not read. Cached: the
-    per-call check then only compares tensor metadata with this table.
-    """
+    """(reason, None) if problem size (m, n, k, l) cannot run, else (None, per-tensor (dtype, shape, strides)),
+    strides being what the kernel reads the tensor with (None: not read). Cached, so the per-call check only
+    compares tensor metadata with this table."""
     m, n, k, l = size
     if l != 1:
         return "L must be 1", None
@@ -2553,11 +2474,10 @@ def _tensor_reason(name: str, t, dtype, shape: tuple, strides: Optional[tuple]) 
 
 
 def check_problem_sizes(problem_sizes) -> tuple:
-    """(True, "") if custom_kernel can run groups of these sizes, else (False, reason naming the group): the
-    size rules of `can_implement` alone, on the sizes ((m, n, k, l) per group) without any tensor. Per group
-    a 4-tuple of ints with L == 1, M >= 0, N a positive multiple of 128, K a positive multiple of 256, every
-    tensor under 2**31 elements (`_group_spec`); at least one group; fewer than 2**31 output tiles in all.
-    `eval.py` checks the cases of a case file with it before anything is built or run."""
+    """(True, "") if custom_kernel can run groups of these sizes ((m, n, k, l) each), else (False, reason
+    naming the group): `can_implement`'s size rules alone, without tensors. Per group a 4-tuple of ints that
+    `_group_spec` accepts; at least one group; fewer than 2**31 output tiles in all. `eval.py` checks a case
+    file's cases with it before anything is built or run."""
     if not isinstance(problem_sizes, (list, tuple)):
         return False, f"problem_sizes must be a list, got {type(problem_sizes).__name__}"
     if len(problem_sizes) == 0:
@@ -2579,18 +2499,14 @@ def check_problem_sizes(problem_sizes) -> tuple:
 def can_implement(data) -> tuple:
     """(True, "") if `custom_kernel(data)` can run this input, else (False, reason).
 
-    The one statement of the constraint set (with `_group_spec`; its size rules alone are
-    `check_problem_sizes`). Pure Python on tensor metadata; needs no GPU. Per group: problem size
-    (m, n, k, l) a 4-tuple of ints with L == 1, M >= 0, N % 128 == 0, K % 256 == 0; dtypes and shapes of all
-    seven tensors; the strides the kernel reads a, b, c and both
-    blocked scales with (not of a tensor with no elements: there is nothing to step through). The plain
-    scales are not read: only their dtype and shape are checked, and they may stay on the CPU, as the
-    task's generator leaves them. Then every tensor the kernel reads, i.e. those of the groups with M > 0,
-    must be on one CUDA device with 16-byte aligned data; a group with M = 0 is never read or written (its
-    empty a, c and scales may have any address, even 0), and an input whose groups are all empty needs no
-    device.
-    Layouts of all groups are checked before devices, so a wrong layout is reported as such on CPU tensors
-    too.
+    The one statement of the constraint set, with `_group_spec` (its size rules alone: `check_problem_sizes`);
+    pure Python on tensor metadata, no GPU needed. Per group: the size rules; dtypes and shapes of all seven
+    tensors; the strides the kernel reads a, b, c and both blocked scales with (none for a tensor without
+    elements: nothing to step through). The plain scales are not read: only dtype and shape are checked, and
+    they may stay on the CPU, as the task's generator leaves them. Layouts of all groups come first, so a
+    wrong one is reported as such on CPU tensors too; then every tensor of the groups with M > 0 must be on
+    one CUDA device, 16-byte aligned. A group with M = 0 is never read or written (its empty tensors may have
+    any address, even 0); an input whose groups are all empty needs no device.
     """
     if not (isinstance(data, (tuple, list)) and len(data) == 4):
         return False, "data must be a 4-tuple (abc_tensors, sfasfb_tensors, sfasfb_reordered_tensors, problem_sizes)"
@@ -2654,9 +2570,8 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
 
 
 def kernel_config(data, device: torch.device):
-    """The kernel configuration custom_kernel runs for this input on this device: its arch backend's choice
-    (on Blackwell the tile-table row that suits the problem, KERNEL_VARIANT "persistent", or KERNEL_VARIANT's
-    fixed config; on Hopper submission_sm90.SM90_VARIANT's), with USE_PDL as set now."""
+    """The config custom_kernel runs for this input on this device: its arch backend's choice (the B200 tile
+    per problem or KERNEL_VARIANT's; on Hopper submission_sm90.SM90_VARIANT's), with USE_PDL as set now."""
     config = backend_for_arch(_target_arch(device)).config(data[3], _device_sm_count(device.index))
     if getattr(config, "use_pdl", USE_PDL) != USE_PDL:  # set_pdl() since import
         config = dataclasses.replace(config, use_pdl=USE_PDL)
@@ -2682,12 +2597,9 @@ def launch_metadata(data, device: torch.device, config=None) -> LaunchMetadata:
 
 @dataclasses.dataclass(frozen=True)
 class _PreparedCall:
-    """Everything a repeated call on the same input objects needs: the launch, nothing else.
-
-    It holds the input's lists and their items (per-group tuples), so none of those objects can be freed
-    and its id reused while the entry lives; an entry is used only when the call's lists and every item
-    are these very objects (`_prepared_call`).
-    """
+    """Everything a repeated call on the same input objects needs: the launch, nothing else. It holds the
+    input's lists and their items (per-group tuples), so none of them can be freed and its id reused while
+    the entry lives; it is used only when the call's lists and every item are these very objects."""
 
     lists: tuple  # (abc_tensors, sfasfb_reordered_tensors, problem_sizes) of the call
     items: tuple  # their items when the entry was made
@@ -2743,34 +2655,32 @@ def _prepare_call(data) -> _PreparedCall:
         raise ValueError(reason)
     abc, _, sfr, sizes = data
     first = first_launched_group(sizes)
-    if first is not None:
+    if first is None:
+        metadata, launch = None, _launch_nothing
+    else:
         device = abc[first][0].device
         _check_device(device)
         config = kernel_config(data, device)
         kernel = compiled_gemm(len(sizes), _target_arch(device), config)
-    variant, launch_path, pdl = KERNEL_VARIANT, LAUNCH_PATH, USE_PDL
-    if first is not None:
         metadata = launch_metadata(data, device, config)
         launch = make_call_launcher(len(sizes), _target_arch(device), config, kernel, metadata)
-    else:
-        metadata, launch = None, _launch_nothing
     entry = _PreparedCall(lists=(abc, sfr, sizes), items=(tuple(abc), tuple(sfr), tuple(sizes)),
                           launch=launch, metadata=metadata, outputs=tuple(c for _, _, c in abc))
     # Only immutable items make identity a proof of equal contents.
     if type(data) is tuple and all(type(x) is tuple for part in entry.items for x in part):
         if len(_prepared_calls) >= PREPARED_CALL_CACHE_SIZE:
             del _prepared_calls[next(iter(_prepared_calls))]
-        _prepared_calls[(variant, launch_path, pdl, id(data))] = entry
+        _prepared_calls[(KERNEL_VARIANT, LAUNCH_PATH, USE_PDL, id(data))] = entry
     return entry
 
 
 def custom_kernel(data: input_t) -> output_t:
     """GPU MODE entry point: writes every group's C = (A * SFA) @ (B * SFB)^T and returns the list of C.
 
-    Raises ValueError(reason) when `can_implement` rejects the input, UnsupportedDeviceError on a GPU that
-    is neither a B200 (sm_100) nor a Hopper (sm_90); both before anything is compiled or launched. A repeated call on the same input
-    objects skips straight to the launch (`_prepared_call`). A group with M = 0 has no tile and its C
-    (shape [0, N, 1]) is in the list as given; with every group empty nothing is launched. The kernels run on
+    Raises ValueError(reason) when `can_implement` rejects the input, UnsupportedDeviceError on a GPU that is
+    neither a B200 (sm_100) nor a Hopper (sm_90), both before anything is compiled or launched. A repeated call
+    on the same input objects skips straight to the launch (`_prepared_call`). A group with M = 0 has no tile
+    and its C ([0, N, 1]) is returned as given; with every group empty nothing is launched. The kernels run on
     the legacy default queue of the current device (module docstring: "Which GPU queue").
     """
     entry = _prepared_call(data)
