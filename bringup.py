@@ -181,7 +181,7 @@ def variant_kind(variant: str, b200_variants, sm90_variants) -> str:
         raise ExportError(f"{variant!r} is a Hopper variant: the leaderboard file (submission.py) holds the B200 "
                           f"kernels only; the Hopper default is the {DEFAULT_LINE_NAMES['sm90']} line of "
                           f"{DEFAULT_LINE_FILES['sm90']}")
-    raise ExportError(f"unknown variant {variant!r}; choose one of {', '.join((*b200_variants, *sm90_variants))}")
+    raise ExportError(f"unknown variant {variant!r}; choose a B200 one: {', '.join(b200_variants)}")
 
 
 def marked_line(text: str, kind: str) -> tuple:

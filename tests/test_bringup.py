@@ -124,6 +124,7 @@ def test_export_cli_rejects_an_unknown_variant_in_one_line(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown variant 'persistent_n512'" in lines[0] and "persistent_n128" in lines[0]
+    assert "sm90_auto" not in lines[0]  # the leaderboard file's variants only
     assert not out.exists()
 
 
