@@ -1169,6 +1169,18 @@ def test_descriptor_bit85_reads_bit_85_of_each_descriptor():
     assert bringup.format_descriptor_bits("seed", clear) == [f"  {'seed':<20} 240 tiles x A, B, SFA, SFB: set in 0"]
 
 
+def _descriptor_stand_in(monkeypatch, launch_metadata):
+    """A stand-in submission for job_descriptors: the persistent kernel's config, `launch_metadata` given."""
+    fake = types.SimpleNamespace(
+        custom_kernel=reference.ref_kernel, first_launched_group=submission.first_launched_group,
+        kernel_config=lambda data, device: submission.SM100_TILE_N128, launch_metadata=launch_metadata,
+        Sm100PersistentConfig=submission.Sm100PersistentConfig, Sm100TensorMapSlot=submission.Sm100TensorMapSlot,
+        TensorMapSlot=submission.TensorMapSlot)
+    monkeypatch.setitem(sys.modules, "submission", fake)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    return fake
+
+
 def test_job_descriptors_reads_the_calls_own_workspace(stand_in, monkeypatch):
     # A stand-in submission whose launch metadata holds a workspace with bit 85 set in group 1's B.
     workspace = _descriptor_bytes(2, 5, {(1, 1): [85]})
@@ -1178,13 +1190,7 @@ def test_job_descriptors_reads_the_calls_own_workspace(stand_in, monkeypatch):
         asked.append((len(data[3]), config))
         return types.SimpleNamespace(workspace=workspace)
 
-    fake = types.SimpleNamespace(
-        custom_kernel=reference.ref_kernel, first_launched_group=submission.first_launched_group,
-        kernel_config=lambda data, device: submission.SM100_TILE_N128, launch_metadata=launch_metadata,
-        Sm100PersistentConfig=submission.Sm100PersistentConfig, Sm100TensorMapSlot=submission.Sm100TensorMapSlot,
-        TensorMapSlot=submission.TensorMapSlot)
-    monkeypatch.setitem(sys.modules, "submission", fake)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    fake = _descriptor_stand_in(monkeypatch, launch_metadata)
     result = bringup.job_descriptors(ARGS)
     assert asked == [(2, submission.SM100_TILE_N128)]
     assert result["status"] == "fail" and result["bit85"] == [[0] * 5, [0, 1, 0, 0, 0]]
@@ -1199,14 +1205,7 @@ def test_job_descriptors_skips_the_rows_of_empty_groups(stand_in, monkeypatch):
     # An empty group's row is never written (no descriptor for an empty tensor): whatever it holds, even bit
     # 85, is not reported; the written rows still are.
     workspace = _descriptor_bytes(3, 5, {(0, 2): [85], (2, 0): [85]})
-    fake = types.SimpleNamespace(
-        custom_kernel=reference.ref_kernel, first_launched_group=submission.first_launched_group,
-        kernel_config=lambda data, device: submission.SM100_TILE_N128,
-        launch_metadata=lambda data, device, config: types.SimpleNamespace(workspace=workspace),
-        Sm100PersistentConfig=submission.Sm100PersistentConfig, Sm100TensorMapSlot=submission.Sm100TensorMapSlot,
-        TensorMapSlot=submission.TensorMapSlot)
-    monkeypatch.setitem(sys.modules, "submission", fake)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    _descriptor_stand_in(monkeypatch, lambda data, device, config: types.SimpleNamespace(workspace=workspace))
     result = bringup.job_descriptors(dict(m=[0, 64, 40], n=[128, 256, 128], k=[256, 256, 512], g=3, seed=4))
     assert result["bit85"][0] is None and result["set_in"] == ["group 2 A"] and result["status"] == "fail"
     assert "1 of 10 descriptors" in result["error"]
