@@ -61,18 +61,42 @@ _OperandMajorMode = getattr(cute.nvgpu, "OperandMajorMode", None) or warpgroup.O
 # ---------------------------------------------------------------------------------------------------------
 # Configuration: the Hopper variants and the M-exact plan
 # ---------------------------------------------------------------------------------------------------------
-# M-exact Hopper tiles (Sm90GemmConfig.m_exact): the widths a tile's A rows (the wgmma N) can take. Each
-# width is its own compiled mainloop, chosen per tile at run time; 192 is the widest whose three fp16 A
-# buffers (48 KB each) fit in shared memory beside the B stages and the epilogue slabs. A kernel built for
-# widths up to 128 (Sm90GemmConfig.max_width) fits four 32 KB buffers instead: a deeper A prefetch.
-# NOTES: five widths, not six: with a sixth mainloop (32) ptxas serializes every wgmma of the kernel
-# ("insufficient register resources", C7512; tests/test_build.py checks the SASS for it).
-SM90_WIDTHS = (64, 96, 128, 160, 192)
+# M-exact Hopper tiles (Sm90GemmConfig.m_exact): the widths a tile's A rows (the wgmma N) can take. A build
+# takes the widths between its min_width and max_width; each is its own compiled mainloop, chosen per tile at
+# run time. 192 is the widest whose three fp16 A buffers (48 KB each) fit in shared memory beside the B
+# stages and the epilogue slabs. A kernel built for widths up to 128 fits four 32 KB buffers instead: a
+# deeper A prefetch. The narrow build (8-64) is for experts with few tokens: its 16 KB buffers leave room
+# for a deep weight ring (`SM90_NARROW_STAGES`).
+# NOTES: at most five widths per build: with a sixth mainloop (32 beside 64-192) ptxas serialized every wgmma
+# of the kernel ("insufficient register resources", C7512; tests/test_build.py checks the SASS for it).
+SM90_WIDTHS = (8, 16, 32, 64, 96, 128, 160, 192)
+SM90_MAX_BUILD_WIDTHS = 5
+SM90_DEFAULT_WIDTHS = (64, 96, 128, 160, 192)  # the widest build's (`sm90_a16_mexact`)
+
+
+def sm90_widths(max_width: int, min_width: int = 64) -> tuple:
+    """The M-exact widths of a build: those of SM90_WIDTHS from `min_width` to `max_width`. A tile's width
+    index (the work list's word, the kernel's per-width mainloop) is its index in this tuple."""
+    return tuple(w for w in SM90_WIDTHS if min_width <= w <= max_width)
+
+
+# The narrow build's weight ring: stages of 9 KB (128 rows of B x 128 k of fp4, and its scales), 108 KB in
+# flight per SM. Streaming the weights at the DRAM rate needs rate x latency in flight: 4.14 TB/s over 132
+# SMs is 31 KB/us per SM, so 4 stages (36 KB) cover only about 1.1 us of loaded DRAM latency.
+SM90_NARROW_STAGES = 12
 # Cost of one 128-k chunk of an M-exact tile, in rows of MMA: its W rows plus the B conversion and
 # pipeline work that does not shrink with W (H200: a 128-row a16 chunk took 0.86 us, 0.67 us of it MMA).
 SM90_CHUNK_OVERHEAD_ROWS = 36
 # Cost of starting and finishing a tile (first loads, epilogue), in the same unit (about 1.5 us).
 SM90_TILE_OVERHEAD = 300
+# The least a 128-k chunk costs, whatever its width: streaming its 9 KB of B and scales, the SM's share of
+# the DRAM rate when every SM streams (4.14 TB/s / 132 SMs: 0.29 us, at the 5.2 ns per unit that the
+# 128-row chunk's 0.86 us gives). It binds only tiles narrower than 20 rows: there the plan balances weight
+# bytes per SM rather than MMA rows.
+SM90_CHUNK_FLOOR = 56
+# `sm90_auto` takes the narrow build where its plan's predicted makespan is this much shorter than the better
+# of the two wide builds' (the model does not see the narrow build's deeper ring, nor its 8-row TMA boxes).
+SM90_NARROW_GAIN = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +121,10 @@ class Sm90GemmConfig:
       work list per CTA (`plan_sm90_work`) instead of the round-robin `GroupTileScheduler`.
     max_width: m_exact only: the widest tile (one of SM90_WIDTHS; the plan splits groups so that none is wider).
       The fp16 A buffers are this many rows, so a narrower maximum leaves room for more of them
-      (`Sm90BlockScaledGroupedGemmKernel.num_a16`).
+      (`Sm90BlockScaledGroupedGemmKernel.num_a16`) and for more stages.
+    min_width: m_exact only: the narrowest tile (one of SM90_WIDTHS); the build's widths are those of
+      SM90_WIDTHS from min_width to max_width (at most SM90_MAX_BUILD_WIDTHS). Below 32, the fp16 A loads and
+      the C^T stores go as min_width-row TMA boxes (else 32).
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
@@ -109,19 +136,25 @@ class Sm90GemmConfig:
     a16_fused: bool = True
     m_exact: bool = False
     max_width: int = SM90_WIDTHS[-1]
+    min_width: int = 64
     split_k: bool = True
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
             raise ValueError("Sm90GemmConfig: m_exact and a16_prepass go together (the M-exact tiles load fp16 A; "
                              "128-row tiles convert A in the kernel)")
-        if self.max_width not in SM90_WIDTHS or (self.max_width != SM90_WIDTHS[-1] and not self.m_exact):
-            raise ValueError(f"Sm90GemmConfig.max_width={self.max_width}: one of {SM90_WIDTHS}, and only with m_exact")
+        for name, default in (("max_width", SM90_WIDTHS[-1]), ("min_width", 64)):
+            value = getattr(self, name)
+            if value not in SM90_WIDTHS or (value != default and not self.m_exact):
+                raise ValueError(f"Sm90GemmConfig.{name}={value}: one of {SM90_WIDTHS}, and only with m_exact")
+        if self.m_exact and not 0 < len(self.widths) <= SM90_MAX_BUILD_WIDTHS:
+            raise ValueError(f"Sm90GemmConfig: widths {self.min_width}-{self.max_width} give {len(self.widths)} "
+                             f"mainloops; a build takes 1 to {SM90_MAX_BUILD_WIDTHS}")
 
     @property
     def widths(self) -> tuple:
         """m_exact: the tile widths the kernel is built for (`sm90_widths`); else the one width, 128."""
-        return sm90_widths(self.max_width) if self.m_exact else (128,)
+        return sm90_widths(self.max_width, self.min_width) if self.m_exact else (128,)
 
     @property
     def tile_mn(self) -> tuple:
@@ -135,6 +168,8 @@ SM90_VARIANT_CONFIGS = {
     "sm90_tile128": Sm90GemmConfig(),
     "sm90_a16_mexact": Sm90GemmConfig(a16_prepass=True, m_exact=True),
     "sm90_a16_mexact128": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=128),
+    "sm90_a16_narrow": Sm90GemmConfig(num_stages=SM90_NARROW_STAGES, a16_prepass=True, m_exact=True,
+                                      max_width=64, min_width=8),
 }
 
 
@@ -154,12 +189,15 @@ def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
 
 @functools.lru_cache(maxsize=256)
 def _choose_sm90_config(sizes: tuple, num_sms: int) -> Sm90GemmConfig:
-    """`choose_sm90_config` once per problem shape (comparing two plans is O(tiles))."""
-    wide, narrow = SM90_VARIANT_CONFIGS["sm90_a16_mexact"], SM90_VARIANT_CONFIGS["sm90_a16_mexact128"]
-    if sizes and (plan_sm90_work(sizes, num_sms, narrow.max_width, narrow.split_k).makespan
-                  <= plan_sm90_work(sizes, num_sms, wide.max_width, wide.split_k).makespan):
-        return narrow
-    return wide
+    """`choose_sm90_config` once per problem shape (comparing three plans is O(tiles))."""
+    wide, mid, narrow = (SM90_VARIANT_CONFIGS[name] for name in
+                         ("sm90_a16_mexact", "sm90_a16_mexact128", "sm90_a16_narrow"))
+    if not sizes:
+        return wide
+    makespan = {config: plan_sm90_work(sizes, num_sms, config.widths, config.split_k).makespan
+                for config in (wide, mid, narrow)}
+    best = mid if makespan[mid] <= makespan[wide] else wide
+    return narrow if makespan[narrow] < SM90_NARROW_GAIN * makespan[best] else best
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +206,8 @@ class Sm90WorkPlan:
     split-K, K ranges of tiles: parts) each CTA runs (`plan_sm90_work`). `words()` is its device form, what
     the kernel reads."""
 
-    splits: tuple  # per group: (number of M splits, width of each: one of SM90_WIDTHS)
+    widths: tuple  # the build's tile widths (`Sm90GemmConfig.widths`); a part's width index is into these
+    splits: tuple  # per group: (number of M splits, width of each: one of `widths`)
     # per CTA: its parts in order, each SM90_PART_WORDS words: (group, first row, width index, N tile, first
     # 128-k chunk, chunks, split tile index or -1 for a whole tile, part | parts << 8 | first slot << 16)
     cta_tiles: tuple
@@ -219,28 +258,28 @@ SM90_MAX_PARTS = 4
 SM90_SPLIT_K_GAIN = 0.97
 
 
+def sm90_chunk_cost(width: int) -> float:
+    """Cost of one 128-k chunk of a tile of `width` rows: its MMA rows and the work that does not shrink with
+    the width, or the chunk's share of the DRAM rate where that is more (`SM90_CHUNK_FLOOR`)."""
+    return max(width + SM90_CHUNK_OVERHEAD_ROWS, SM90_CHUNK_FLOOR)
+
+
 def sm90_tile_cost(width: int, k: int) -> float:
-    return (k // 128) * (width + SM90_CHUNK_OVERHEAD_ROWS) + SM90_TILE_OVERHEAD
+    return (k // 128) * sm90_chunk_cost(width) + SM90_TILE_OVERHEAD
 
 
 def sm90_part_cost(width: int, chunks: int, split: bool) -> float:
     """Cost of one part: `chunks` 128-k chunks of a tile of `width` rows, plus the fix-up share if split."""
-    return (chunks * (width + SM90_CHUNK_OVERHEAD_ROWS) + SM90_TILE_OVERHEAD
+    return (chunks * sm90_chunk_cost(width) + SM90_TILE_OVERHEAD
             + (SM90_SPLIT_COST_PER_ROW * width if split else 0))
 
 
-def sm90_widths(max_width: int) -> tuple:
-    """The M-exact widths up to `max_width`: a prefix of SM90_WIDTHS, so a tile's width index is the same in
-    both (the work list's words, the kernel's per-width mainloops)."""
-    return tuple(w for w in SM90_WIDTHS if w <= max_width)
+def _sm90_split_width(m: int, splits: int, widths: tuple) -> int:
+    """The narrowest of `widths` that `splits` tiles of M rows need (splits >= M / the widest)."""
+    return next(w for w in widths if w * splits >= m)
 
 
-def _sm90_split_width(m: int, splits: int) -> int:
-    """The narrowest width of SM90_WIDTHS that `splits` tiles of M rows need (splits >= M / the widest)."""
-    return next(w for w in SM90_WIDTHS if w * splits >= m)
-
-
-def _sm90_makespan(problem_sizes, splits: list, num_sms: int) -> float:
+def _sm90_makespan(problem_sizes, splits: list, num_sms: int, widths: tuple) -> float:
     """The predicted makespan of `splits`: the longest-first assignment's own where tiles are few per CTA
     (there whole tiles decide it), else the load bound max(mean load, largest tile), which that assignment
     meets to within one tile and which costs O(G) instead of a simulation of every tile."""
@@ -248,44 +287,45 @@ def _sm90_makespan(problem_sizes, splits: list, num_sms: int) -> float:
     for (m, n, k, _), s in zip(problem_sizes, splits):
         if s == 0:  # an empty group: no tile
             continue
-        cost = sm90_tile_cost(_sm90_split_width(m, s), k)
+        cost = sm90_tile_cost(_sm90_split_width(m, s, widths), k)
         count += s * (n // 128)
         total += s * (n // 128) * cost
         largest = max(largest, cost)
     grid = min(num_sms, count)
     if count > SM90_SIMULATED_TILES_PER_CTA * grid:
         return max(total / grid, largest)
-    return _sm90_assign(problem_sizes, splits, num_sms)[0]
+    return _sm90_assign(problem_sizes, splits, num_sms, widths)[0]
 
 
 # Up to this many tiles per CTA the plan search simulates the assignment (`_sm90_makespan`).
 SM90_SIMULATED_TILES_PER_CTA = 8
 
 
-def _sm90_group_widths(problem_sizes, splits: list) -> tuple:
+def _sm90_group_widths(problem_sizes, splits: list, widths: tuple) -> tuple:
     """`Sm90WorkPlan.splits` of `splits`: per group (number of M splits, width of each)."""
-    return tuple((s, _sm90_split_width(m, s)) for (m, _, _, _), s in zip(problem_sizes, splits))
+    return tuple((s, _sm90_split_width(m, s, widths)) for (m, _, _, _), s in zip(problem_sizes, splits))
 
 
-def _sm90_tiles(problem_sizes, splits: list) -> list:
+def _sm90_tiles(problem_sizes, splits: list, widths: tuple) -> list:
     """Every tile of `splits`: (group, first row, width, N tile), in group, M split, N tile order."""
     tiles = []
     for g, ((m, n, _, _), s) in enumerate(zip(problem_sizes, splits)):
-        width = _sm90_split_width(m, s)
+        width = _sm90_split_width(m, s, widths)
         tiles += [(g, i * width, width, nt) for i in range(s) for nt in range(n // 128)]
     return tiles
 
 
-def _sm90_assign(problem_sizes, splits: list, num_sms: int) -> tuple:
+def _sm90_assign(problem_sizes, splits: list, num_sms: int, widths: tuple) -> tuple:
     """Longest-processing-time assignment of every tile to the least loaded CTA: (makespan, per-CTA parts)."""
-    tiles = [(sm90_tile_cost(w, problem_sizes[g][2]), g, m0, w, nt) for g, m0, w, nt in _sm90_tiles(problem_sizes, splits)]
+    tiles = [(sm90_tile_cost(w, problem_sizes[g][2]), g, m0, w, nt)
+             for g, m0, w, nt in _sm90_tiles(problem_sizes, splits, widths)]
     tiles.sort(key=lambda t: -t[0])  # stable: equal costs keep group, split, N order
     grid = min(num_sms, len(tiles))
     heap = [(0.0, cta) for cta in range(grid)]
     per_cta = [[] for _ in range(grid)]
     for cost, g, m0, w, nt in tiles:
         load, cta = heapq.heappop(heap)
-        per_cta[cta].append((g, m0, SM90_WIDTHS.index(w), nt, 0, problem_sizes[g][2] // 128, -1, 0))
+        per_cta[cta].append((g, m0, widths.index(w), nt, 0, problem_sizes[g][2] // 128, -1, 0))
         heapq.heappush(heap, (load + cost, cta))
     return max(load for load, _ in heap), per_cta
 
@@ -304,7 +344,7 @@ def _sm90_split_k_fill(tiles: list, chunks: list, limit: float, grid: int):
                 ctas[-1].append((t, k0, rest))
                 load += whole
                 break
-            take = int((limit - load - sm90_part_cost(width, 0, True)) // (width + SM90_CHUNK_OVERHEAD_ROWS))
+            take = int((limit - load - sm90_part_cost(width, 0, True)) // sm90_chunk_cost(width))
             if parts < SM90_MAX_PARTS and take >= SM90_MIN_PART_CHUNKS and rest - take >= SM90_MIN_PART_CHUNKS:
                 ctas[-1].append((t, k0, take))
                 load += sm90_part_cost(width, take, True)
@@ -318,12 +358,12 @@ def _sm90_split_k_fill(tiles: list, chunks: list, limit: float, grid: int):
     return ctas
 
 
-def _sm90_split_k(problem_sizes, splits: list, num_sms: int) -> Optional[Sm90WorkPlan]:
+def _sm90_split_k(problem_sizes, splits: list, num_sms: int, widths: tuple) -> Optional[Sm90WorkPlan]:
     """Split-K plan of the tiles of `splits`: tiles in order, dealt onto the CTAs as contiguous runs of
     equal cost (the shortest limit that `_sm90_split_k_fill` meets, by bisection), a tile that does not fit
     whole split in K across consecutive CTAs. None where nothing is split (then the whole-tile plan is
     better) or the counters would not suffice."""
-    tiles = _sm90_tiles(problem_sizes, splits)
+    tiles = _sm90_tiles(problem_sizes, splits, widths)
     chunks = [problem_sizes[g][2] // 128 for g, _, _, _ in tiles]
     total = sum(sm90_tile_cost(w, problem_sizes[g][2]) for g, _, w, _ in tiles)
     grid = min(num_sms, len(tiles) * max(chunks))
@@ -354,20 +394,21 @@ def _sm90_split_k(problem_sizes, splits: list, num_sms: int) -> Optional[Sm90Wor
         for j, (t, k0, count) in enumerate(parts):
             g, m0, width, nt = tiles[t]
             s = split.get(t, -1)
-            row.append((g, m0, SM90_WIDTHS.index(width), nt, k0, count, s, info.get((b, j), 0)))
+            row.append((g, m0, widths.index(width), nt, k0, count, s, info.get((b, j), 0)))
             load += sm90_part_cost(width, count, s >= 0)
         cta_tiles.append(tuple(row))
         makespan = max(makespan, load)
-    return Sm90WorkPlan(_sm90_group_widths(problem_sizes, splits), tuple(cta_tiles), makespan, len(split), slots)
+    return Sm90WorkPlan(widths, _sm90_group_widths(problem_sizes, splits, widths), tuple(cta_tiles), makespan,
+                        len(split), slots)
 
 
 @functools.lru_cache(maxsize=256)
-def plan_sm90_work(problem_sizes: tuple, num_sms: int, max_width: int = SM90_WIDTHS[-1],
+def plan_sm90_work(problem_sizes: tuple, num_sms: int, widths: tuple = SM90_DEFAULT_WIDTHS,
                    split_k: bool = True) -> Sm90WorkPlan:
     """M splits and a balanced work list for the M-exact Hopper kernel (host side, once per problem shape).
 
     Whole tiles: start from the best of "every group split into the fewest tiles of at most `cap` rows" over
-    each cap in SM90_WIDTHS up to `max_width` (the kernel's widest tile, `Sm90GemmConfig.max_width`); then,
+    each cap in `widths` (the kernel's tile widths, `Sm90GemmConfig.widths`); then,
     greedily, the group whose extra split lowers the predicted makespan (`_sm90_makespan`) most gets one,
     while that gains more than 1 %. More splits fill more SMs but convert B once more per split and pad more
     rows. Tiles go to CTAs longest first, each to the least loaded (`_sm90_assign`), so uneven widths still
@@ -379,41 +420,41 @@ def plan_sm90_work(problem_sizes: tuple, num_sms: int, max_width: int = SM90_WID
     whole-tile plan's by 3 %.
     """
     starts = []
-    for cap in sm90_widths(max_width):
+    for cap in widths:
         splits = [ceil_div(m, cap) for m, _, _, _ in problem_sizes]
-        starts.append((_sm90_makespan(problem_sizes, splits, num_sms), splits))
+        starts.append((_sm90_makespan(problem_sizes, splits, num_sms, widths), splits))
     best, splits = min(starts, key=lambda t: t[0])
     while True:
         trials = []
         for g, (m, _, _, _) in enumerate(problem_sizes):
             s = splits[g] + 1
-            if _sm90_split_width(m, s) < _sm90_split_width(m, splits[g]):
+            if _sm90_split_width(m, s, widths) < _sm90_split_width(m, splits[g], widths):
                 trial = splits[:g] + [s] + splits[g + 1:]
-                trials.append((_sm90_makespan(problem_sizes, trial, num_sms), trial))
+                trials.append((_sm90_makespan(problem_sizes, trial, num_sms, widths), trial))
         if not trials:
             break
         makespan, trial = min(trials, key=lambda t: t[0])
         if makespan > 0.99 * best:
             break
         best, splits = makespan, trial
-    makespan, per_cta = _sm90_assign(problem_sizes, splits, num_sms)
-    plan = Sm90WorkPlan(_sm90_group_widths(problem_sizes, splits), tuple(tuple(tiles) for tiles in per_cta),
-                        makespan)
+    makespan, per_cta = _sm90_assign(problem_sizes, splits, num_sms, widths)
+    plan = Sm90WorkPlan(widths, _sm90_group_widths(problem_sizes, splits, widths),
+                        tuple(tuple(tiles) for tiles in per_cta), makespan)
     if split_k and plan.num_tiles <= num_sms:
         for _, cap_splits in starts:  # each cap's fewest splits
-            other = _sm90_split_k(problem_sizes, cap_splits, num_sms)
+            other = _sm90_split_k(problem_sizes, cap_splits, num_sms, widths)
             if other is not None and other.makespan < SM90_SPLIT_K_GAIN * plan.makespan:
                 plan = other
     return plan
 
 
 @functools.lru_cache(maxsize=64)
-def sm90_work_list(problem_sizes: tuple, num_sms: int, max_width: int, split_k: bool,
+def sm90_work_list(problem_sizes: tuple, num_sms: int, widths: tuple, split_k: bool,
                    device: torch.device) -> torch.Tensor:
     """`plan_sm90_work`'s words as a device int32 tensor, made once per problem shape, widest tile, plan kind
     and device (an ordinary copy, which waits for the device: only the first call of a new problem shape pays
     it)."""
-    plan = plan_sm90_work(problem_sizes, num_sms, max_width, split_k)
+    plan = plan_sm90_work(problem_sizes, num_sms, widths, split_k)
     partials_kb = Sm90BlockScaledGroupedGemmKernel.partials_offset(problem_sizes) // 1024 if plan.num_slots else 0
     return torch.tensor(plan.words(partials_kb), dtype=torch.int32, device=device)
 
@@ -871,7 +912,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         self.fused_convert = config.a16_prepass and config.a16_fused  # the conversion is this launch's first phase
         self.a16_bytes = self.tile_m * self.k_chunk * 2  # one fp16 A buffer: tile_m rows x 128 k
         # TMA boxes of the fp16 A loads and of the C^T stores, in rows of A: a width is a whole number of them
-        self.box_rows = 32 if self.m_exact else 128
+        self.box_rows = min(32, self.widths[0]) if self.m_exact else 128
         self.b_bytes = self.tile_n * 64
         # A stage: B fp4 (sB), A fp4 (sA), scale slices [SFA | SFB] (sSF); with the prepass A and SFA are
         # not loaded.
@@ -1598,9 +1639,9 @@ class Sm90Backend(KernelBackend):
         num_tiles, work_list = num_output_tiles(problem_sizes, config.tile_mn), None
         if config.m_exact:
             sizes = tuple(map(tuple, problem_sizes))
-            plan = plan_sm90_work(sizes, num_sms, config.max_width, config.split_k)
+            plan = plan_sm90_work(sizes, num_sms, config.widths, config.split_k)
             num_tiles, num_ctas = plan.num_tiles, len(plan.cta_tiles)
-            work_list = sm90_work_list(sizes, num_sms, config.max_width, config.split_k, device)
+            work_list = sm90_work_list(sizes, num_sms, config.widths, config.split_k, device)
         else:
             plan, num_ctas = None, min(num_tiles, num_sms)
         prepass = ()
