@@ -479,7 +479,7 @@ def test_compile_builds_each_kernel_the_cases_run_once(tmp_path, capsys, monkeyp
         assert row.endswith(full_label), row  # never cut mid-number
         # the tile's rows of A: fixed on sm_100a; on sm_90a (sm90_auto takes M-exact tiles for every problem) the
         # range of widths up to tile[0]
-        rows = f"{submission_sm90.SM90_WIDTHS[0]}-{tile[0]}" if arch == "sm_90a" else tile[0]
+        rows = f"{submission_sm90.SM90_DEFAULT_WIDTHS[0]}-{tile[0]}" if arch == "sm_90a" else tile[0]
         assert f" {rows}x{tile[1]} g={g} " in row, row
 
     entries = json.loads(report.read_text())

@@ -32,7 +32,8 @@ pytestmark = [pytest.mark.gpu,
 # sm90_a16_* ones convert A to fp16 once per call, as the GEMM launch's first phase); "two_launch":
 # sm90_a16_mexact with that conversion as a launch of its own (Sm90GemmConfig.a16_fused=False); "whole_tiles":
 # sm90_a16_mexact planned without split-K (Sm90GemmConfig.split_k=False: no tile's K split across CTAs).
-CONFIGS = ["auto", "sm90_tile128", "sm90_a16_mexact", "sm90_a16_mexact128", "two_launch", "whole_tiles"]
+CONFIGS = ["auto", "sm90_tile128", "sm90_a16_mexact", "sm90_a16_mexact128", "sm90_a16_narrow", "two_launch",
+           "whole_tiles"]
 
 
 def _task_cases(section):
@@ -53,6 +54,10 @@ EDGE_CASES = {
     "widths": dict(m=[1, 32, 33, 64, 97, 128, 150, 192, 193, 400, 1000], n=[4096, 256, 512, 128, 3072, 256, 1024,
                                                                          128, 2048, 512, 1024],
                    k=[256, 512, 256, 768, 256, 512, 256, 256, 512, 256, 256], g=11, seed=13),
+    # sm90_a16_narrow: M next to every narrow width (8, 16, 32, 64) and above the widest, so tiles of every width
+    # run back to back on a CTA and the last split of a group is partly past its M
+    "narrow_widths": dict(m=[1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 130], n=[128 * (1 + i % 5) for i in range(14)],
+                          k=[256 * (1 + i % 3) for i in range(14)], g=14, seed=16),
     # empty groups (M = 0) first, last and between, beside every width: they stay in the tables, no tile
     "empty_groups": dict(m=[0, 40, 0, 200, 1, 0], n=[256, 512, 128, 256, 384, 128], k=[512, 256, 768, 512, 256, 256],
                          g=6, seed=15),

@@ -2,6 +2,7 @@
 tile and every 128-k chunk of a tile by exactly one part, widths are ones the kernel was built for, split
 tiles' parts agree on their counter and slots, the work list's words decode back to the plan, and the
 balance is what longest-processing-time scheduling (whole tiles) or split-K promises. CPU only."""
+import dataclasses
 import random
 
 import pytest
@@ -27,7 +28,21 @@ def _random_shapes(count, seed):
     return shapes
 
 
-SHAPES = _task_shapes() + _random_shapes(40, 5)
+def _moe_shapes(seed):
+    """Many experts, most with a few rows, some empty, one or two hot: the narrow build's regime."""
+    rng = random.Random(seed)
+    shapes = []
+    for g, n, k in ((256, 4096, 7168), (128, 1536, 2048), (64, 7168, 2048)):
+        ms = [rng.choice([0, 0, 1, 3, 8, 9, 15, 16, 17, 24, 33, 40, 64, 65]) for _ in range(g)]
+        ms[rng.randrange(g)] = rng.randint(150, 400)
+        shapes.append(tuple((m, n, k, 1) for m in ms))
+    return shapes
+
+
+SHAPES = _task_shapes() + _random_shapes(40, 5) + _moe_shapes(6)
+# The M-exact builds, each planned over its own widths; WIDE: the widest build's (`sm90_a16_mexact`).
+M_EXACT_BUILDS = ["sm90_a16_mexact", "sm90_a16_mexact128", "sm90_a16_narrow"]
+WIDE = submission_sm90.SM90_DEFAULT_WIDTHS
 
 
 def _decode(words, grid):
@@ -40,12 +55,13 @@ def _decode(words, grid):
 
 
 @pytest.mark.parametrize("split_k", [True, False], ids=["split_k", "whole"])
-@pytest.mark.parametrize("max_width", [192, 128])
+@pytest.mark.parametrize("build", M_EXACT_BUILDS)
 @pytest.mark.parametrize("num_sms", [132, 8, 1])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"s{i}" for i in range(len(SHAPES))])
-def test_plan_covers_every_output_once(shape, num_sms, max_width, split_k):
-    plan = submission_sm90.plan_sm90_work(shape, num_sms, max_width, split_k)
-    widths = submission_sm90.SM90_WIDTHS
+def test_plan_covers_every_output_once(shape, num_sms, build, split_k):
+    widths = submission_sm90.SM90_VARIANT_CONFIGS[build].widths
+    plan = submission_sm90.plan_sm90_work(shape, num_sms, widths, split_k)
+    assert plan.widths == widths
     grid = len(plan.cta_tiles)
     assert 1 <= grid <= num_sms and all(plan.cta_tiles)
     tiles = {}  # (group, first row, width index, N tile) -> its parts
@@ -69,10 +85,12 @@ def test_plan_covers_every_output_once(shape, num_sms, max_width, split_k):
     _check_splits(plan, tiles)
     if not split_k:
         assert plan.num_split_tiles == 0 and all(len(p) == 1 for p in tiles.values())
-    # one width per group, none wider than the kernel's widest, and its splits cannot be fewer
+    # one of the build's widths per group (the narrowest that its splits need), and its splits cannot be fewer
     for g, ((m, _, _, _), (splits, width)) in enumerate(zip(shape, plan.splits)):
-        assert width in widths and width <= max_width and width * splits >= m and width * (splits - 1) < m
-    assert all(widths[part[2]] <= max_width for parts in plan.cta_tiles for part in parts)
+        if m == 0:
+            continue
+        assert width in widths and width * splits >= m and width * (splits - 1) < m
+        assert width == widths[0] or widths[widths.index(width) - 1] * splits < m
 
 
 def _check_splits(plan, tiles):
@@ -105,9 +123,10 @@ def test_the_128_row_build_runs_the_same_plan_where_no_tile_is_wider():
     # very plan of `sm90_a16_mexact` there; bench0 / bench1 need 160- and 192-row tiles.
     for shape in _task_shapes()[-4:]:
         full = submission_sm90.plan_sm90_work(shape, 132)
-        narrow = submission_sm90.plan_sm90_work(shape, 132, 128)
+        narrow = submission_sm90.plan_sm90_work(shape, 132, submission_sm90.sm90_widths(128))
         if max(w for _, w in full.splits) <= 128:
-            assert narrow == full
+            # the same plan; its width indices are the same too (64-128 lead both builds' widths)
+            assert dataclasses.replace(narrow, widths=full.widths) == full
         else:
             assert max(w for _, w in narrow.splits) <= 128 < max(w for _, w in full.splits)
 
@@ -128,14 +147,14 @@ def test_split_k_splits_where_whole_tiles_leave_sms_idle():
     # long K is spread over several SMs.
     shapes = _task_shapes()[-4:]
     for shape, expect_split in zip(shapes, (False, False, True, False)):
-        whole = submission_sm90.plan_sm90_work(shape, 132, 192, False)
-        plan = submission_sm90.plan_sm90_work(shape, 132, 192, True)
+        whole = submission_sm90.plan_sm90_work(shape, 132, WIDE, False)
+        plan = submission_sm90.plan_sm90_work(shape, 132, WIDE, True)
         assert (plan.num_split_tiles > 0) == expect_split, (shape, plan.num_split_tiles)
         assert plan.makespan <= whole.makespan
         if expect_split:
             assert plan.makespan < submission_sm90.SM90_SPLIT_K_GAIN * whole.makespan
-    one = submission_sm90.plan_sm90_work(((200, 128, 7168, 1),), 132, 192, True)
-    alone = submission_sm90.plan_sm90_work(((200, 128, 7168, 1),), 132, 192, False)
+    one = submission_sm90.plan_sm90_work(((200, 128, 7168, 1),), 132, WIDE, True)
+    alone = submission_sm90.plan_sm90_work(((200, 128, 7168, 1),), 132, WIDE, False)
     assert one.num_split_tiles >= 1 and len(one.cta_tiles) > len(alone.cta_tiles)
     assert one.makespan < alone.makespan / 2
 
@@ -144,17 +163,17 @@ def test_split_k_splits_where_whole_tiles_leave_sms_idle():
 def test_split_k_plan_is_balanced(shape):
     num_sms = 132
     plan = submission_sm90.plan_sm90_work(shape, num_sms)
-    loads = [sum(submission_sm90.sm90_part_cost(submission_sm90.SM90_WIDTHS[wi], chunks, split >= 0)
+    loads = [sum(submission_sm90.sm90_part_cost(plan.widths[wi], chunks, split >= 0)
                  for _, _, wi, _, _, chunks, split, _ in parts) for parts in plan.cta_tiles]
     assert max(loads) == pytest.approx(plan.makespan)
-    assert plan.makespan <= submission_sm90.plan_sm90_work(shape, num_sms, 192, False).makespan
+    assert plan.makespan <= submission_sm90.plan_sm90_work(shape, num_sms, WIDE, False).makespan
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"s{i}" for i in range(len(SHAPES))])
 def test_plan_is_balanced(shape):
     num_sms = 132
-    plan = submission_sm90.plan_sm90_work(shape, num_sms, 192, False)
-    costs = [[submission_sm90.sm90_tile_cost(submission_sm90.SM90_WIDTHS[part[2]], shape[part[0]][2]) for part in tiles]
+    plan = submission_sm90.plan_sm90_work(shape, num_sms, WIDE, False)
+    costs = [[submission_sm90.sm90_tile_cost(plan.widths[part[2]], shape[part[0]][2]) for part in tiles]
              for tiles in plan.cta_tiles]
     loads = [sum(c) for c in costs]
     assert max(loads) == pytest.approx(plan.makespan)
@@ -172,7 +191,7 @@ def test_plan_is_balanced(shape):
 def test_benchmark_plans_pad_less_than_128_row_tiles():
     # The point of M-exact tiles: the benchmarks' computed rows (incl. padding) drop well below 128-row tiles'.
     for shape in _task_shapes()[-4:-2]:  # benchmarks 0 and 1 (g = 8)
-        plan = submission_sm90.plan_sm90_work(shape, 132, 192, False)
+        plan = submission_sm90.plan_sm90_work(shape, 132, WIDE, False)
         rows = sum(s * w for s, w in plan.splits)
         rows128 = sum(-(-m // 128) * 128 for m, _, _, _ in shape)
         assert rows <= 0.9 * rows128, (plan.splits, rows, rows128)
@@ -198,8 +217,8 @@ def test_auto_takes_the_128_row_build_where_its_plan_is_predicted_no_longer():
     assert chosen == [128, 192, 192, 128]
     for shape in _task_shapes():
         config = submission_sm90.choose_sm90_config(list(shape), 132)
-        narrow = submission_sm90.plan_sm90_work(shape, 132, 128).makespan
-        wide = submission_sm90.plan_sm90_work(shape, 132, 192).makespan
+        narrow = submission_sm90.plan_sm90_work(shape, 132, submission_sm90.sm90_widths(128)).makespan
+        wide = submission_sm90.plan_sm90_work(shape, 132, WIDE).makespan
         assert (config.max_width == 128) == (narrow <= wide)
     assert submission_sm90.choose_sm90_config((), 132) is submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_mexact"]
 
@@ -226,11 +245,50 @@ def test_empty_groups_change_nothing_but_the_group_numbers(split_k):
             (8, 4096, 7168, 1), (0, 4096, 7168, 1))
     kept = [g for g, size in enumerate(full) if size[0]]
     dense = tuple(full[g] for g in kept)
-    for max_width in (128, 192):
-        with_empty = submission_sm90.plan_sm90_work(full, 132, max_width, split_k)
-        without = submission_sm90.plan_sm90_work(dense, 132, max_width, split_k)
+    for build in M_EXACT_BUILDS:
+        widths = submission_sm90.SM90_VARIANT_CONFIGS[build].widths
+        with_empty = submission_sm90.plan_sm90_work(full, 132, widths, split_k)
+        without = submission_sm90.plan_sm90_work(dense, 132, widths, split_k)
         renumbered = tuple(tuple((kept[t[0]], *t[1:]) for t in tiles) for tiles in without.cta_tiles)
         assert with_empty.cta_tiles == renumbered
         assert with_empty.makespan == without.makespan
         assert [with_empty.splits[g] for g in kept] == list(without.splits)
         assert all(with_empty.splits[g][0] == 0 for g in range(len(full)) if g not in kept)
+
+
+def test_narrow_build_fits_tiles_to_experts_with_few_rows():
+    # sm90_a16_narrow: widths 8-64, so an expert of a few rows runs a tile as wide as its rows rounded up to 8,
+    # 16 or 32 instead of 64; a hot expert splits into 64-row tiles. Its plan streams less padding and
+    # predicts a shorter makespan on DeepSeek-V3 decode (most experts at 1-16 rows), a longer one on the
+    # benchmarks (groups of 40-384 rows: more splits convert B more often).
+    narrow = submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_narrow"]
+    assert narrow.widths == (8, 16, 32, 64) and narrow.num_stages == submission_sm90.SM90_NARROW_STAGES
+    decode = tuple((m, 4096, 7168, 1) for m in [0, 1, 8, 9, 16, 17, 33, 200] + [3] * 120)
+    plan = submission_sm90.plan_sm90_work(decode, 132, narrow.widths)
+    assert [w for s, w in plan.splits[1:7]] == [8, 8, 16, 16, 32, 64] and plan.splits[7] == (4, 64)
+    assert plan.splits[0][0] == 0  # an empty expert: no tile
+    wide = submission_sm90.plan_sm90_work(decode, 132, WIDE)
+    assert plan.makespan < 0.7 * wide.makespan
+    for shape in _task_shapes()[-4:]:
+        assert (submission_sm90.plan_sm90_work(shape, 132, narrow.widths).makespan
+                > submission_sm90.plan_sm90_work(shape, 132, WIDE).makespan)
+
+
+def test_auto_does_not_take_the_narrow_build_before_it_has_run():
+    # Built and SASS-checked only (no GPU run yet): sm90_auto keeps choosing between the two wide builds,
+    # even where the narrow plan is much shorter.
+    decode = [(m, 4096, 7168, 1) for m in [0, 1, 8, 9, 16, 17, 33, 200] + [3] * 120]
+    assert submission_sm90.choose_sm90_config(decode, 132).min_width == 64
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(min_width=12), "min_width=12: one of"),
+    (dict(max_width=24), "max_width=24: one of"),
+    (dict(min_width=8, max_width=128), "give 6 mainloops; a build takes 1 to 5"),
+    (dict(min_width=128, max_width=64), "give 0 mainloops"),
+])
+def test_config_refuses_widths_no_build_can_take(fields, message):
+    with pytest.raises(ValueError, match=message):
+        submission_sm90.Sm90GemmConfig(a16_prepass=True, m_exact=True, **fields)
+    with pytest.raises(ValueError, match="only with m_exact"):
+        submission_sm90.Sm90GemmConfig(min_width=8)
