@@ -65,11 +65,14 @@ _OperandMajorMode = getattr(cute.nvgpu, "OperandMajorMode", None) or warpgroup.O
 # takes the widths between its min_width and max_width; each is its own compiled mainloop, chosen per tile at
 # run time. 192 is the widest whose three fp16 A buffers (48 KB each) fit in shared memory beside the B
 # stages and the epilogue slabs. A kernel built for widths up to 128 fits four 32 KB buffers instead: a
-# deeper A prefetch. The narrow build (8-64) is for experts with few tokens: its 16 KB buffers leave room
+# deeper A prefetch. The narrow build (16-64) is for experts with few tokens: its 16 KB buffers leave room
 # for a deep weight ring (`SM90_NARROW_STAGES`).
 # NOTES: at most five widths per build: with a sixth mainloop (32 beside 64-192) ptxas serialized every wgmma
-# of the kernel ("insufficient register resources", C7512; tests/test_build.py checks the SASS for it).
-SM90_WIDTHS = (8, 16, 32, 64, 96, 128, 160, 192)
+# of the kernel ("insufficient register resources", C7512; tests/test_build.py checks the SASS for it). No
+# width 8: DSL 4.3.5 rejects the register-sourced 64x8x16 wgmma of this kernel at IR verification ("'cute.gemm'
+# op invalid layout of A/B/D", B (1,1):(0,0)); 4.8.1 builds it. At 16 a chunk's MMA (128 cycles) is already
+# small beside its B conversion.
+SM90_WIDTHS = (16, 32, 64, 96, 128, 160, 192)
 SM90_MAX_BUILD_WIDTHS = 5
 SM90_DEFAULT_WIDTHS = (64, 96, 128, 160, 192)  # the widest build's (`sm90_a16_mexact`)
 
@@ -166,7 +169,7 @@ SM90_VARIANT_CONFIGS = {
     "sm90_a16_mexact": Sm90GemmConfig(a16_prepass=True, m_exact=True),
     "sm90_a16_mexact128": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=128),
     "sm90_a16_narrow": Sm90GemmConfig(num_stages=SM90_NARROW_STAGES, a16_prepass=True, m_exact=True,
-                                      max_width=64, min_width=8),
+                                      max_width=64, min_width=16),
 }
 
 

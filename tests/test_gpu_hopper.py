@@ -54,7 +54,7 @@ EDGE_CASES = {
     "widths": dict(m=[1, 32, 33, 64, 97, 128, 150, 192, 193, 400, 1000], n=[4096, 256, 512, 128, 3072, 256, 1024,
                                                                          128, 2048, 512, 1024],
                    k=[256, 512, 256, 768, 256, 512, 256, 256, 512, 256, 256], g=11, seed=13),
-    # sm90_a16_narrow: M next to every narrow width (8, 16, 32, 64) and above the widest, so tiles of every width
+    # sm90_a16_narrow: M next to every narrow width (16, 32, 64) and above the widest, so tiles of every width
     # run back to back on a CTA and the last split of a group is partly past its M
     "narrow_widths": dict(m=[1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 130], n=[128 * (1 + i % 5) for i in range(14)],
                           k=[256 * (1 + i % 3) for i in range(14)], g=14, seed=16),

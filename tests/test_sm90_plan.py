@@ -257,15 +257,15 @@ def test_empty_groups_change_nothing_but_the_group_numbers(split_k):
 
 
 def test_narrow_build_fits_tiles_to_experts_with_few_rows():
-    # sm90_a16_narrow: widths 8-64, so an expert of a few rows runs a tile as wide as its rows rounded up to 8,
-    # 16 or 32 instead of 64; a hot expert splits into 64-row tiles. Its plan streams less padding and
+    # sm90_a16_narrow: widths 16-64, so an expert of a few rows runs a tile as wide as its rows rounded up to 16
+    # or 32 instead of 64; a hot expert splits into 64-row tiles. Its plan streams less padding and
     # predicts a shorter makespan on DeepSeek-V3 decode (most experts at 1-16 rows), a longer one on the
     # benchmarks (groups of 40-384 rows: more splits convert B more often).
     narrow = submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_narrow"]
-    assert narrow.widths == (8, 16, 32, 64) and narrow.num_stages == submission_sm90.SM90_NARROW_STAGES
+    assert narrow.widths == (16, 32, 64) and narrow.num_stages == submission_sm90.SM90_NARROW_STAGES
     decode = tuple((m, 4096, 7168, 1) for m in [0, 1, 8, 9, 16, 17, 33, 200] + [3] * 120)
     plan = submission_sm90.plan_sm90_work(decode, 132, narrow.widths)
-    assert [w for s, w in plan.splits[1:7]] == [8, 8, 16, 16, 32, 64] and plan.splits[7] == (4, 64)
+    assert [w for s, w in plan.splits[1:7]] == [16, 16, 16, 16, 32, 64] and plan.splits[7] == (4, 64)
     assert plan.splits[0][0] == 0  # an empty expert: no tile
     wide = submission_sm90.plan_sm90_work(decode, 132, WIDE)
     assert plan.makespan < 0.7 * wide.makespan
@@ -282,13 +282,13 @@ def test_auto_does_not_take_the_narrow_build_before_it_has_run():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(min_width=12), "min_width=12: one of"),
+    (dict(min_width=8), "min_width=8: one of"),
     (dict(max_width=24), "max_width=24: one of"),
-    (dict(min_width=8, max_width=128), "give 6 mainloops; a build takes 1 to 5"),
+    (dict(min_width=16, max_width=160), "give 6 mainloops; a build takes 1 to 5"),
     (dict(min_width=128, max_width=64), "give 0 mainloops"),
 ])
 def test_config_refuses_widths_no_build_can_take(fields, message):
     with pytest.raises(ValueError, match=message):
         submission_sm90.Sm90GemmConfig(a16_prepass=True, m_exact=True, **fields)
     with pytest.raises(ValueError, match="only with m_exact"):
-        submission_sm90.Sm90GemmConfig(min_width=8)
+        submission_sm90.Sm90GemmConfig(min_width=16)
