@@ -2,7 +2,7 @@
 
 Hopper has no fp4 tensor cores, so both operands are dequantized exactly to fp16 (every e2m1 x e4m3 product
 is exact in fp16) and multiplied by fp16 wgmma with fp32 accumulation (`Sm90BlockScaledGroupedGemmKernel`).
-By default (`sm90_auto`: `sm90_a16_mexact`, or `sm90_a16_mexact128` where that runs the same plan) one
+By default (`sm90_auto`: `sm90_a16_mexact`, or `sm90_a16_mexact128` where its plan is predicted no longer) one
 persistent launch per call: first every thread of every CTA writes its share of all groups' A as fp16 into
 the launch's workspace and a grid-wide barrier orders that before any fp16 A load (`Sm90GemmConfig.a16_fused`);
 then the CTAs walk a host-planned work list (`plan_sm90_work`: each group's M split into tiles 64-192 rows
@@ -13,7 +13,9 @@ mainloop compiled for the tile's width, and store C^T tiles by TMA (a part of a 
 other parts' fp32 partials in the workspace: `Sm90BlockScaledGroupedGemmKernel.split_fixup`). Barriers and
 copies are the DSL's pipeline classes and TMA atoms, as on Blackwell; inline PTX is left for the operand
 conversions and hand-addressed shared memory. `sm90_tile128` uses 128-row tiles on the round-robin
-`GroupTileScheduler` and converts A in a transform warpgroup of every CTA.
+`GroupTileScheduler` and converts A in a transform warpgroup of every CTA. `sm90_a16_narrow` is the M-exact
+kernel built for tiles 16-64 rows wide with a 12-stage weight ring, for MoE experts with a few tokens each:
+built and SASS-checked, not yet run on a GPU, so only a forced choice runs it.
 
 What this module shares with the B200 kernels, from submission.py: the host path (constraint check,
 pointer/size tables, launch-metadata and compile caches, the prepared-call fast path, the launch paths), the
@@ -195,7 +197,7 @@ def _choose_sm90_config(sizes: tuple, num_sms: int) -> Sm90GemmConfig:
     Its plan's makespan is 0.59-0.68x the wide builds' on the DeepSeek-V3 decode cases of bench.py --moe and
     1.28-1.55x on the four benchmarks (docs/HOPPER_NOTES.md v23). The rule planned once it has run: take it
     where its makespan is at most 0.9x the better wide build's (the model sees neither its deeper ring nor
-    its 8-row TMA boxes)."""
+    its 16-row TMA boxes)."""
     wide, narrow = SM90_VARIANT_CONFIGS["sm90_a16_mexact"], SM90_VARIANT_CONFIGS["sm90_a16_mexact128"]
     if sizes and (plan_sm90_work(sizes, num_sms, narrow.widths, narrow.split_k).makespan
                   <= plan_sm90_work(sizes, num_sms, wide.widths, wide.split_k).makespan):
