@@ -79,7 +79,7 @@ SM90_MAX_BUILD_WIDTHS = 5
 SM90_DEFAULT_WIDTHS = (64, 96, 128, 160, 192)  # the widest build's (`sm90_a16_mexact`)
 
 
-def sm90_widths(max_width: int, min_width: int = 64) -> tuple:
+def sm90_widths(max_width: int, min_width: int = SM90_DEFAULT_WIDTHS[0]) -> tuple:
     """The M-exact widths of a build: those of SM90_WIDTHS from `min_width` to `max_width`. A tile's width
     index (the work list's word, the kernel's per-width mainloop) is its index in this tuple."""
     return tuple(w for w in SM90_WIDTHS if min_width <= w <= max_width)
@@ -137,15 +137,15 @@ class Sm90GemmConfig:
     a16_prepass: bool = False
     a16_fused: bool = True
     m_exact: bool = False
-    max_width: int = SM90_WIDTHS[-1]
-    min_width: int = 64
+    max_width: int = SM90_DEFAULT_WIDTHS[-1]
+    min_width: int = SM90_DEFAULT_WIDTHS[0]
     split_k: bool = True
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
             raise ValueError("Sm90GemmConfig: m_exact and a16_prepass go together (the M-exact tiles load fp16 A; "
                              "128-row tiles convert A in the kernel)")
-        for name, default in (("max_width", SM90_WIDTHS[-1]), ("min_width", 64)):
+        for name, default in (("max_width", SM90_DEFAULT_WIDTHS[-1]), ("min_width", SM90_DEFAULT_WIDTHS[0])):
             value = getattr(self, name)
             if value not in SM90_WIDTHS or (value != default and not self.m_exact):
                 raise ValueError(f"Sm90GemmConfig.{name}={value}: one of {SM90_WIDTHS}, and only with m_exact")
@@ -456,7 +456,7 @@ def plan_sm90_work(problem_sizes: tuple, num_sms: int, widths: tuple = SM90_DEFA
 @functools.lru_cache(maxsize=64)
 def sm90_work_list(problem_sizes: tuple, num_sms: int, widths: tuple, split_k: bool,
                    device: torch.device) -> torch.Tensor:
-    """`plan_sm90_work`'s words as a device int32 tensor, made once per problem shape, widest tile, plan kind
+    """`plan_sm90_work`'s words as a device int32 tensor, made once per problem shape, build widths, plan kind
     and device (an ordinary copy, which waits for the device: only the first call of a new problem shape pays
     it)."""
     plan = plan_sm90_work(problem_sizes, num_sms, widths, split_k)
