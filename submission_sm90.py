@@ -571,6 +571,11 @@ def _load_v4(ptx: str, addr, elem, reg: str, addr_reg: str, side_effects: bool, 
     return [llvm.extractvalue(elem, r, [i], loc=loc, ip=ip) for i in range(4)]
 
 
+def _store_v4(ptx: str, addr, values: list, val_reg: str, addr_reg: str, loc, ip) -> None:
+    """An inline-PTX store of four values ($1-$4, MLIR values) to `addr` ($0)."""
+    _asm(None, [addr, *values], ptx, ",".join([addr_reg] + [val_reg] * 4) + ",~{memory}", True, loc, ip)
+
+
 @dsl_user_op
 def ld_shared_v4(addr, *, loc=None, ip=None):
     words = _load_v4("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", _i32(addr, loc, ip), T.i32(), "r", "r", True,
@@ -580,9 +585,8 @@ def ld_shared_v4(addr, *, loc=None, ip=None):
 
 @dsl_user_op
 def st_shared_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
-    _asm(None, [_i32(addr, loc, ip), _u32(v0, loc, ip), _u32(v1, loc, ip), _u32(v2, loc, ip),
-                _u32(v3, loc, ip)],
-         "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}", True, loc, ip)
+    _store_v4("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", _i32(addr, loc, ip),
+              [_u32(v, loc, ip) for v in (v0, v1, v2, v3)], "r", "r", loc, ip)
 
 
 @dsl_user_op
@@ -646,9 +650,8 @@ def ld_global_u32(addr, fresh: bool = False, *, loc=None, ip=None):
 
 @dsl_user_op
 def st_global_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
-    _asm(None, [_i64(addr, loc, ip), _u32(v0, loc, ip), _u32(v1, loc, ip), _u32(v2, loc, ip),
-                _u32(v3, loc, ip)],
-         "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}", True, loc, ip)
+    _store_v4("st.global.v4.b32 [$0], {$1, $2, $3, $4};", _i64(addr, loc, ip),
+              [_u32(v, loc, ip) for v in (v0, v1, v2, v3)], "r", "l", loc, ip)
 
 
 @dsl_user_op
@@ -661,8 +664,8 @@ def ld_global_v4(addr, fresh: bool = False, *, loc=None, ip=None):
 
 @dsl_user_op
 def st_global_v4_f32(addr, v0, v1, v2, v3, *, loc=None, ip=None):
-    _asm(None, [_i64(addr, loc, ip)] + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)],
-         "st.global.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}", True, loc, ip)
+    _store_v4("st.global.v4.f32 [$0], {$1, $2, $3, $4};", _i64(addr, loc, ip),
+              [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)], "f", "l", loc, ip)
 
 
 @dsl_user_op
