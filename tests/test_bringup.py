@@ -369,15 +369,20 @@ def stand_in(monkeypatch):
 ARGS = dict(m=[40, 129], n=[128, 256], k=[256, 512], g=2, seed=5)
 
 
-def test_job_check_passes_the_reference(stand_in):
-    calls = []
-
+def _poison_checking_reference(calls: list):
+    """A stand-in kernel: records each input's id in `calls`, requires every output poisoned (NaN) before the
+    call, and answers with the reference."""
     def kernel(data):
         calls.append(id(data))
-        assert all(torch.isnan(c).all() for _, _, c in data[0])  # poisoned before each call
+        assert all(torch.isnan(c).all() for _, _, c in data[0])
         return reference.ref_kernel(data)
 
-    stand_in(kernel)
+    return kernel
+
+
+def test_job_check_passes_the_reference(stand_in):
+    calls = []
+    stand_in(_poison_checking_reference(calls))  # poisoned before each call
     result = bringup.job_check(ARGS)
     assert result["status"] == "pass" and result["max_abs_err"] == 0.0 and result["unwritten"] == 0
     assert len(calls) == 2 and calls[0] == calls[1]  # the second call gets the very same input object
@@ -1096,13 +1101,7 @@ def test_pattern_inputs_are_the_runners():
 
 def test_job_pattern_checks_every_result_of_every_batch(stand_in):
     calls = []
-
-    def kernel(data):
-        calls.append(id(data))
-        assert all(torch.isnan(c).all() for _, _, c in data[0])  # poisoned before the batch
-        return reference.ref_kernel(data)
-
-    stand_in(kernel)
+    stand_in(_poison_checking_reference(calls))  # poisoned before the batch
     result = bringup.job_pattern(ARGS, 3)
     assert result["status"] == "pass" and result["batches"] == 3 and result["inputs"] == 15
     assert len(calls) == 45 and calls[:15] == calls[15:30] == calls[30:]  # the same 15 inputs in every batch
