@@ -114,6 +114,11 @@ def _start_worker(arch: str, variant: Optional[str]) -> None:
 # The SASS instructions compile counts (all of them in its JSON), with what each count says.
 # WGDEP1: `WARPGROUP.DEPBAR.LE gsb0, 0x1`, a wait that leaves one wgmma group in flight. A Hopper kernel
 # without any has its wgmmas serialized by ptxas (its C7512 "Potential Performance Loss" info).
+# PR2UR: `@P0 R2UR`, a move to a uniform register under a per-lane predicate, which ptxas emits for a TMA or
+# bulk copy whose operands it computes inside a one-lane branch; on sm_90a it is an illegal instruction
+# (CUDA error 715), so a build with one would fail at run time (submission_sm90's NOTES at
+# `tma_load_2d_elected`). For sm_100a ptxas emits the predicated form `R2UR.BROADCAST` instead, which this
+# does not count.
 SASS_MEANING = {
     "UTCOMMA": "tcgen05 MMAs (block-scaled)",
     "UTCQMMA": "tcgen05 MMAs, the other SASS form",
@@ -122,6 +127,7 @@ SASS_MEANING = {
     "UTCCP": "tcgen05 copies (scales into tensor memory)",
     "HGMMA": "wgmma instructions",
     "WGDEP1": "wgmma waits that leave one group in flight (0: ptxas serialized the wgmmas)",
+    "PR2UR": "R2UR under a lane predicate (an illegal instruction on sm_90a: must be 0)",
     "STG": "plain global stores",
     "LDL": "local-memory loads (register spills)",
     "STL": "local-memory stores (register spills)",
@@ -132,7 +138,7 @@ SASS_OPS = tuple(SASS_MEANING)
 # The columns of each arch's table: its own instructions only.
 ARCH_SASS_OPS = {
     "sm_100a": ("UTCOMMA", "UTCQMMA", "UTMALDG", "UTMASTG", "UTCCP", "STG", "LDL", "STL", "PREEXIT", "ACQBULK"),
-    "sm_90a": ("HGMMA", "WGDEP1", "UTMALDG", "UTMASTG", "STG", "LDL", "STL", "PREEXIT", "ACQBULK"),
+    "sm_90a": ("HGMMA", "WGDEP1", "UTMALDG", "UTMASTG", "STG", "LDL", "STL", "PREEXIT", "ACQBULK", "PR2UR"),
 }
 
 
@@ -440,6 +446,7 @@ def count_sass(sass: str) -> dict[str, int]:
         if match[1] in counts:
             counts[match[1]] += 1
     counts["WGDEP1"] = len(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b", sass))
+    counts["PR2UR"] = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+@!?P[0-6]\s+R2UR\s", sass))
     return counts
 
 

@@ -115,6 +115,7 @@ def test_sm90a_builds_for_every_task_group_count(tmp_path, variant):
         if expect["pipelined"]:
             assert sass["WGDEP1"] > 0, row
         assert sass["UTCOMMA"] == 0, row  # no Blackwell instruction leaked in
+        assert sass["PR2UR"] == 0, row  # no R2UR under a lane predicate: illegal on sm_90a (eval.py's NOTES)
         assert sass["PREEXIT"] == sass["ACQBULK"] == int(PDL_ON), row  # programmatic dependent launch
         if expect["no_spills"]:
             assert sass["LDL"] == 0 and sass["STL"] == 0, row

@@ -549,7 +549,7 @@ def test_compile_table_explains_its_columns_and_shows_only_the_arch_s_own(capsys
         assert column in legend, (column, legend)
     assert "seconds the build took" in legend["s"]
     blackwell_only = {"tmem", "UTCOMMA", "UTCQMMA", "UTCCP"}
-    hopper_only = {"HGMMA", "WGDEP1"}
+    hopper_only = {"HGMMA", "WGDEP1", "PR2UR"}
     assert "kernel" in legend and "the default's name" in legend["kernel"]
     assert "static" in legend["static[B]"] and "SharedStorage" in legend["dynamic[B]"]
     assert "static + dynamic" in legend["smem[B]"]
@@ -562,6 +562,21 @@ def test_compile_table_explains_its_columns_and_shows_only_the_arch_s_own(capsys
         assert blackwell_only <= set(header) and not hopper_only & set(header)
         assert (cells["static[B]"], cells["dynamic[B]"], cells["smem[B]"]) == ("1024", "226304", "227328"), row
         assert cells["tmem"] == "288/512", row
+
+
+def test_sass_counts_see_a_lane_predicated_r2ur_and_nothing_else():
+    # hand-written SASS lines: the plain R2UR under a lane predicate counts (illegal on sm_90a), an
+    # unpredicated one, one under the always-true or a uniform predicate, and Blackwell's broadcast form do not
+    lines = ["        /*2c10*/              @!P0 R2UR UR18, R2 ;",
+             "        /*2cd0*/               @P2 R2UR UR10, R2 ;",
+             "        /*26e0*/                   R2UR UR14, R13 ;",
+             "        /*26f0*/               @PT R2UR UR15, R13 ;",
+             "        /*2700*/              @!UP0 R2UR UR16, R13 ;",
+             "        /*0c50*/              @!P1 R2UR.BROADCAST UR4, R15 ;",
+             "        /*0c60*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;",
+             "        /*0c70*/              @!P1 HGMMA.64x16x16.F32 R24, gdesc[UR8], R24 ;"]
+    counts = ev.count_sass("\n".join(lines))
+    assert (counts["PR2UR"], counts["WGDEP1"], counts["HGMMA"]) == (2, 1, 1)
 
 
 # (what a build reports, the static, dynamic and total cells): the kernel's SharedStorage as built comes

@@ -292,3 +292,15 @@ def test_config_refuses_widths_no_build_can_take(fields, message):
         submission_sm90.Sm90GemmConfig(a16_prepass=True, m_exact=True, **fields)
     with pytest.raises(ValueError, match="only with m_exact"):
         submission_sm90.Sm90GemmConfig(min_width=16)
+
+
+def test_a_separate_fp16_a_loader_needs_the_prepass():
+    # Without the prepass A arrives in the stages with B, so there is no fp16 A for a warp of its own to load.
+    with pytest.raises(ValueError, match="a16_load_warp needs a16_prepass"):
+        submission_sm90.Sm90GemmConfig(a16_load_warp=True)
+    # One warp issuing both waits for a free fp16 A buffer before each next stage, so its stages in flight are
+    # at most about num_a16 + 1: every build with a deeper weight ring has the separate loader (the narrow one).
+    for name, config in submission_sm90.SM90_VARIANT_CONFIGS.items():
+        kernel = submission_sm90.Sm90BlockScaledGroupedGemmKernel(3, config)
+        assert config.a16_load_warp == (kernel.num_stages > kernel.num_a16 + 1), name
+        assert config.a16_load_warp == (name == "sm90_a16_narrow"), name
