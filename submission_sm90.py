@@ -14,7 +14,8 @@ other parts' fp32 partials in the workspace: `Sm90BlockScaledGroupedGemmKernel.s
 copies are the DSL's pipeline classes and TMA atoms, as on Blackwell; inline PTX is left for the operand
 conversions and hand-addressed shared memory. `sm90_tile128` uses 128-row tiles on the round-robin
 `GroupTileScheduler` and converts A in a transform warpgroup of every CTA. `sm90_a16_narrow` is the M-exact
-kernel built for tiles 16-64 rows wide with a 12-stage weight ring, for MoE experts with a few tokens each:
+kernel built for tiles 16-64 rows wide with a 12-stage weight ring, for MoE experts with a few tokens each
+(its producer warpgroup has two loading warps: warp 0 the weights, warp 1 the fp16 A, `a16_load_warp`):
 built and SASS-checked, not yet run on a GPU, so only a forced choice runs it.
 
 What this module shares with the B200 kernels, from submission.py: the host path (constraint check,
@@ -87,7 +88,8 @@ def sm90_widths(max_width: int, min_width: int = SM90_DEFAULT_WIDTHS[0]) -> tupl
 
 # The narrow build's weight ring: stages of 9 KB (128 rows of B x 128 k of fp4, and its scales), 108 KB in
 # flight per SM. Streaming the weights at the DRAM rate needs rate x latency in flight: 4.14 TB/s over 132
-# SMs is 31 KB/us per SM, so 4 stages (36 KB) cover only about 1.1 us of loaded DRAM latency.
+# SMs is 31 KB/us per SM, so 4 stages (36 KB) cover only about 1.1 us of loaded DRAM latency. A ring deeper
+# than the fp16 A ring streams only with the A loads in a warp of their own (`Sm90GemmConfig.a16_load_warp`).
 SM90_NARROW_STAGES = 12
 # Cost of one 128-k chunk of an M-exact tile, in rows of MMA: its W rows plus the B conversion and
 # pipeline work that does not shrink with W (H200: a 128-row a16 chunk took 0.86 us, 0.67 us of it MMA).
@@ -1304,7 +1306,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         return g, m0, width_idx, n_tile, k0, chunks, split, (group, group_first, group_tiles)
 
     # -----------------------------------------------------------------------------------------------
-    # Producer warp
+    # Producer warps: warp 0 (stages; fp16 A too unless a16_load_warp), warp 1 (fp16 A with a16_load_warp)
     # -----------------------------------------------------------------------------------------------
     @cute.jit
     def producer(self, ptrs, sizes, work, descriptors, total_tiles, bid, grid, stage_pipe, a16_pipe, atoms,
