@@ -290,14 +290,21 @@ class MoeRow:
     compiles_first: Optional[int] = None
     compiles_later: Optional[int] = None
     later_empties: list = dataclasses.field(default_factory=list)  # empty experts of each re-routed input
+    later_host_ms: list = dataclasses.field(default_factory=list)  # host ms of each re-routed call (GPU busy)
     worst: float = 0.0  # worst |err| / tolerance over every checked output
     error: Optional[str] = None  # why the case stopped
+
+
+# Clock cycles of device work queued before each re-routed call (torch.cuda._sleep): ~20 ms at 1.98 GHz.
+BUSY_CYCLES = 40_000_000
 
 
 def run_case(case: MoeCase, submission, calls: int, patterns: int, device, notes: list) -> MoeRow:
     say = lambda what: harness.progress(f"[{case.name}] {what}")  # noqa: E731
     count = compile_counter(submission)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    on_gpu = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    keep_gpu_busy = (lambda: torch.cuda._sleep(BUSY_CYCLES)) if on_gpu else (lambda: None)
     row = MoeRow(case, route(case, case.seed))
     weights = make_weights(case, device)
     data = make_input(case, row.ms, weights, case.seed, device)
@@ -316,7 +323,11 @@ def run_case(case: MoeCase, submission, calls: int, patterns: int, device, notes
         say(f"re-routed tokens {p}/{patterns}: {row.later_empties[-1]} experts empty")
         other = make_input(case, ms, weights, case.seed + p, device)
         before = count() if count else 0
+        sync()
+        keep_gpu_busy()  # a call that waited for the device would wait for this too
+        start = time.perf_counter()
         out = submission.custom_kernel(other)
+        row.later_host_ms.append((time.perf_counter() - start) * 1e3)
         sync()
         later += count() - before if count else 0
         row.worst = max(row.worst, worst_error_ratio(other, out))
@@ -334,7 +345,8 @@ def run_case(case: MoeCase, submission, calls: int, patterns: int, device, notes
 # ---------------------------------------------------------------------------------------------------------
 HEADER = ("case", "N × K", "experts (empty)", "tokens × top-k (max M)", "kernel µs", "TFLOP/s", "GB/s",
           "fp4 floor µs (kernel/floor)", "bf16 floor µs (kernel/floor)", "grouped_mm µs (peer/kernel)",
-          "cuBLAS loop µs (peer/kernel)", "first call s", "compiles first / later (empties)", "check err/tol")
+          "cuBLAS loop µs (peer/kernel)", "first call s", "re-routed call host ms", "compiles first / later (empties)",
+          "check err/tol")
 
 
 def _count(value: Optional[int]) -> str:
@@ -357,6 +369,7 @@ def row_cells(row: MoeRow) -> list:
         us = row.times.get(peer)
         cells.append("-" if us is None else f"{us:.1f}" + (f" ({us / kernel:.2f}×)" if kernel else ""))
     cells.append("-" if row.first_s is None else f"{row.first_s:.1f}")
+    cells.append(f"{statistics.median(row.later_host_ms):.2f}" if row.later_host_ms else "-")
     empties = ", ".join(str(e) for e in row.later_empties)
     cells.append(f"{_count(row.compiles_first)} / {_count(row.compiles_later)}" + (f" ({empties})" if empties else ""))
     if row.error:
@@ -395,6 +408,9 @@ def notes_lines(gpu: str, submission, calls: int, patterns: int) -> list:
         f"cache carries over from earlier cases) / on {patterns} later calls with tokens routed anew over the "
         "same weights (their counts of empty experts in parentheses)." if counted else
         "Compiles: n/a (submission has no _compiled_kernels cache to read).",
+        "Re-routed call host ms: CPU time of custom_kernel on a new routing (a new problem shape: constraint "
+        "check, plan, tables and work list, launches), issued while the GPU still runs about 20 ms of queued work, "
+        "so a call that waited for the device would show that wait; the median over the re-routed calls.",
         "Check: every output element of the first and the re-routed calls (outputs NaN-poisoned) against a float64 "
         "decode: |out - exact| <= 1e-3 + 1e-3 |exact| + 2^-24 sqrt(K) sum|a b|; the worst ratio shown, above 1 "
         "fails.",

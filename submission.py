@@ -633,24 +633,34 @@ TABLE_RING_WORDS = 1 << 19
 _table_ring = PinnedTableRing(TABLE_RING_WORDS)
 
 
-def pack_group_metadata(data, device: torch.device) -> tuple:
-    """The two tables every kernel reads: (pinned host staging piece, device buffer, pointer table int64
-    [G, PtrColumn] and size table int32 [G, SizeColumn] as views of the device buffer). The device buffer is
-    not written here: the caller launches `TableUploadKernel`, which copies the piece on the kernels' own
-    queue (so a new input set never makes the host wait for queued kernels, as a torch copy from pageable
-    memory would), then calls `_table_ring.uploaded()`."""
+def pack_group_metadata(data, device: torch.device, work_words: Optional[torch.Tensor] = None) -> tuple:
+    """The two tables every kernel reads, and after them the GEMM's work list where it has one (`work_words`,
+    int32 on the CPU): (pinned host staging piece, device buffer, pointer table int64 [G, PtrColumn] and size
+    table int32 [G, SizeColumn] as views of the device buffer, the work list's view of it or None). The
+    device buffer is not written here: the caller launches `TableUploadKernel`, which copies the piece on
+    the kernels' own queue (so a new input set never makes the host wait for queued kernels, as a torch copy
+    from pageable memory would), then calls `_table_ring.uploaded()`."""
     abc, _, sfasfb_r, sizes = data
     num_groups = len(sizes)
     ptr_words, words = table_words(num_groups)
-    staging = _table_ring.take(words)
+    work_len = 0 if work_words is None else work_words.numel()
+    if words + ceil_div(work_len, 2) > _table_ring.words:
+        # NOTES: a work list too long for the staging ring (over ~130k tiles: a problem that keeps the GPU
+        # busy for tens of milliseconds) goes up by an ordinary torch copy, which waits for the device.
+        staging, tables, ptr_table, size_table, _ = pack_group_metadata(data, device)
+        return staging, tables, ptr_table, size_table, work_words.to(device)
+    staging = _table_ring.take(words + ceil_div(work_len, 2))
     staging[:num_groups * len(PtrColumn)] = torch.tensor(
         [(a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa_r.data_ptr(), sfb_r.data_ptr())
          for (a, b, c), (sfa_r, sfb_r) in zip(abc, sfasfb_r)], dtype=torch.int64).view(-1)
-    staging[ptr_words:].view(torch.int32)[:] = torch.tensor([tuple(s) for s in sizes], dtype=torch.int32).view(-1)
-    tables = torch.empty(words, dtype=torch.int64, device=device)
+    staging[ptr_words:words].view(torch.int32)[:] = torch.tensor([tuple(s) for s in sizes], dtype=torch.int32).view(-1)
+    if work_words is not None:
+        staging[words:].view(torch.int32)[:work_len] = work_words
+    tables = torch.empty(staging.numel(), dtype=torch.int64, device=device)
     ptr_table = tables[:num_groups * len(PtrColumn)].view(num_groups, len(PtrColumn))
-    size_table = tables[ptr_words:].view(torch.int32).view(num_groups, len(SizeColumn))
-    return staging, tables, ptr_table, size_table
+    size_table = tables[ptr_words:words].view(torch.int32).view(num_groups, len(SizeColumn))
+    work_list = None if work_words is None else tables[words:].view(torch.int32)[:work_len]
+    return staging, tables, ptr_table, size_table, work_list
 
 
 def aligned_device_buffer(num_bytes: int, align: int, device: torch.device) -> torch.Tensor:
@@ -703,7 +713,7 @@ class LaunchMetadata:
     launch_args: tuple  # plain ints the GEMM is launched with: the three table addresses, then its counts
     table_args: tuple  # the three table addresses: what a descriptor preparation kernel is launched with
     prepass_args: tuple = ()  # Hopper a16_prepass: `Sm90AConvertKernel`'s table addresses and grid x
-    work_list: Optional[torch.Tensor] = None  # Hopper m_exact: the plan's words on the device (sm90_work_list)
+    work_list: Optional[torch.Tensor] = None  # Hopper m_exact: the plan's words on the device, after the tables
 
 
 # Bounded: the benchmark cycles through 15 input sets per shape; 64 covers that with room, and entries
@@ -738,29 +748,31 @@ TABLE_UPLOAD_CONFIG = TableUploadConfig()
 
 
 def upload_args(raw_args: tuple) -> tuple:
-    """The DSL arguments of `TableUploadKernel` from (staging address, device table address)."""
-    return tuple(gmem_ptr(cutlass.Int64, address, METADATA_ALIGN_BYTES) for address in raw_args)
+    """The DSL arguments of `TableUploadKernel` from (staging address, device table address, int64 words)."""
+    staging, tables, num_words = raw_args
+    return (*(gmem_ptr(cutlass.Int64, address, METADATA_ALIGN_BYTES) for address in (staging, tables)),
+            cutlass.Int32(num_words))
 
 
 class TableUploadKernel:
-    """Copies a launch's tables (`table_words(G)` int64 words) from pinned host memory, which the GPU reads
-    through unified addressing, to their device buffer: one CTA, a strided loop of 64-bit loads and stores.
+    """Copies a launch's tables (`table_words(G)` int64 words, then the GEMM's work list where it has one:
+    `GemmSchedule.work_words`; the count at run time) from pinned host memory, which the GPU reads through
+    unified addressing, to their device buffer: one CTA, a strided loop of 64-bit loads and stores.
     Launched on a launch-metadata miss ahead of every kernel that reads the tables, on the same queue."""
 
     def __init__(self, num_groups: int, config: TableUploadConfig):
-        self.num_words = table_words(num_groups)[1]
         self.threads = config.threads
 
     @cute.jit
-    def __call__(self, staging_ptr: cute.Pointer, tables_ptr: cute.Pointer):
-        staging = cute.make_tensor(staging_ptr, cute.make_layout(self.num_words))
-        tables = cute.make_tensor(tables_ptr, cute.make_layout(self.num_words))
-        self.kernel(staging, tables).launch(grid=(1, 1, 1), block=(self.threads, 1, 1))
+    def __call__(self, staging_ptr: cute.Pointer, tables_ptr: cute.Pointer, num_words: cutlass.Int32):
+        staging = cute.make_tensor(staging_ptr, cute.make_layout(num_words))
+        tables = cute.make_tensor(tables_ptr, cute.make_layout(num_words))
+        self.kernel(staging, tables, num_words).launch(grid=(1, 1, 1), block=(self.threads, 1, 1))
 
     @cute.kernel
-    def kernel(self, staging: cute.Tensor, tables: cute.Tensor):
+    def kernel(self, staging: cute.Tensor, tables: cute.Tensor, num_words: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        for word in cutlass.range(tidx, self.num_words, self.threads, unroll=1):
+        for word in cutlass.range(tidx, num_words, self.threads, unroll=1):
             tables[word] = staging[word]
 
 
@@ -2073,8 +2085,10 @@ class GemmSchedule:
     num_tiles: int
     num_ctas: int
     workspace_bytes: int  # descriptors (and the arch's own scratch) the launch's workspace holds
-    counts: tuple  # the GEMM's launch ints after the three table addresses
-    work_list: Optional[torch.Tensor] = None  # a device work list the GEMM reads (its address is in counts)
+    counts: tuple  # the GEMM's launch ints after the table addresses (and the work list's)
+    # a work list the GEMM reads (int32 words on the CPU): uploaded with the tables, its device address the
+    # GEMM's launch argument after the three table addresses
+    work_words: Optional[torch.Tensor] = None
     prepass_counts: tuple = ()  # a prepass launch's ints after the table addresses; () when there is none
 
 
@@ -2231,7 +2245,7 @@ def _compile(key: tuple) -> Callable:
     _, part, arch, _, config, num_groups, abi = key
     options = {"options": "--enable-tvm-ffi"} if abi == "tvm_ffi" else {}
     if isinstance(config, TableUploadConfig):  # arch-neutral
-        return cute.compile(TableUploadKernel(num_groups, config), *upload_args((0, 0)), **options)
+        return cute.compile(TableUploadKernel(num_groups, config), *upload_args((0, 0, 1)), **options)
     backend = _backends_by_config.get(type(config))
     if backend is None or not arch.startswith(backend.arch_prefix):
         raise UnsupportedDeviceError(f"no kernel for {arch} with {type(config).__name__}: kernels exist for "
@@ -2556,17 +2570,19 @@ def can_implement(data) -> tuple:
 # Entry point
 # ---------------------------------------------------------------------------------------------------------
 def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata:
-    staging, table_buffer, ptr_table, size_table = pack_group_metadata(data, device)
     schedule = backend_of(config).schedule(config, data[3], device, _device_sm_count(device.index))
+    staging, table_buffer, ptr_table, size_table, work_list = pack_group_metadata(data, device, schedule.work_words)
     workspace = aligned_device_buffer(schedule.workspace_bytes, TENSORMAP_BYTES, device)
     tables = (ptr_table.data_ptr(), size_table.data_ptr(), workspace.data_ptr())
-    # The tables reach the device on the kernels' own queue, ahead of every kernel that reads them.
+    # The tables (and the work list) reach the device on the kernels' own queue, ahead of every kernel that
+    # reads them: a new problem shape never makes the host wait for the device.
     upload = compiled_kernel(compile_key(len(data[3]), _target_arch(device), TABLE_UPLOAD_CONFIG, "upload"))
-    make_launcher(upload, (staging.data_ptr(), table_buffer.data_ptr()), upload_args)()
+    make_launcher(upload, (staging.data_ptr(), table_buffer.data_ptr(), staging.numel()), upload_args)()
     _table_ring.uploaded()  # the staging piece is handed out again only once this upload has run
     prepass_args = (*tables, *schedule.prepass_counts) if schedule.prepass_counts else ()
+    work_args = () if work_list is None else (work_list.data_ptr(),)
     return LaunchMetadata(table_buffer, workspace, schedule.num_tiles, schedule.num_ctas,
-                          (*tables, *schedule.counts), tables, prepass_args, schedule.work_list)
+                          (*tables, *work_args, *schedule.counts), tables, prepass_args, work_list)
 
 
 def kernel_config(data, device: torch.device):

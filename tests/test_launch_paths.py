@@ -432,7 +432,7 @@ def test_b200_prepared_launch_packs_the_tables_then_the_variants_counts(launch_p
     schedule = backend.schedule(config, B200_SIZES, torch.device("cpu"), 148)
     counts = _expected_b200_launch(config)
     assert schedule.counts == counts and (schedule.num_tiles, schedule.num_ctas) == (counts[0], counts[-1])
-    assert schedule.work_list is None and schedule.prepass_counts == ()
+    assert schedule.work_words is None and schedule.prepass_counts == ()
     # Descriptor workspace: five 128-byte descriptors per group up front, four per tile for the seed.
     rows = 5 * len(B200_SIZES) if len(counts) == 2 else 4 * counts[0]
     assert schedule.workspace_bytes >= rows * submission.TENSORMAP_BYTES

@@ -446,6 +446,57 @@ def test_launch_metadata_records_the_upload_of_its_staging_piece(monkeypatch):
     assert ring.pending[-1][1].id == 0
 
 
+def test_the_hopper_work_list_goes_up_with_the_tables(monkeypatch):
+    # A new problem shape's work list is staged after the tables in the same pinned piece and copied by the
+    # same upload on the kernels' queue (no torch copy, which would wait for the device); the GEMM gets its
+    # address right after the three table addresses.
+    data = _data(m=(96, 40, 0, 200), n=(128, 256, 384, 128), k=(256, 512, 256, 768))
+    ring, _ = _fake_ring(monkeypatch, 4096)
+    monkeypatch.setattr(submission, "_table_ring", ring)
+    monkeypatch.setattr(submission, "compiled_kernel", lambda key: "upload kernel")
+    monkeypatch.setattr(submission, "_target_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(submission, "_device_sm_count", lambda index: 132)
+    monkeypatch.setattr(submission, "aligned_device_buffer", lambda n, align, device: torch.zeros(n // 8 + 16,
+                                                                                              dtype=torch.int64))
+    uploads = []
+    monkeypatch.setattr(submission, "make_launcher",
+                        lambda kernel, raw_args, to_dsl=None: lambda: uploads.append(tuple(raw_args)))
+    to = torch.Tensor.to
+
+    def to_no_device(self, *args, **kwargs):  # a dtype change is fine; a copy to a device would wait for it
+        if "device" in kwargs or any(isinstance(x, (torch.device, str)) for x in args):
+            pytest.fail("a torch copy to the device")
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to_no_device)
+    config = submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_mexact"]
+    metadata = submission._build_launch_metadata(data, torch.device("cpu"), config)
+    sizes = tuple(map(tuple, data[3]))
+    words = submission_sm90.sm90_work_words(sizes, 132, config.widths, config.split_k)
+    plan = submission_sm90.plan_sm90_work(sizes, 132, config.widths, config.split_k)
+    _, table_words = submission.table_words(len(sizes))
+    ((staging_address, buffer_address, count),) = uploads
+    assert count == table_words + (words.numel() + 1) // 2 == metadata.tables.numel()
+    staging = ring.buffer[:count]
+    assert staging_address == staging.data_ptr() and buffer_address == metadata.tables.data_ptr()
+    assert torch.equal(staging[table_words:].view(torch.int32)[:words.numel()], words)
+    assert metadata.work_list.data_ptr() == buffer_address + 8 * table_words
+    assert metadata.launch_args[3:] == (metadata.work_list.data_ptr(), plan.num_tiles, plan.num_ctas)
+    # a work list longer than the staging ring takes an ordinary copy (the tables still go by the ring)
+    small = submission.PinnedTableRing(count - 1, new_event=ring.new_event)
+    monkeypatch.setattr(submission, "_table_ring", small)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    uploads.clear()
+    long = submission._build_launch_metadata(data, torch.device("cpu"), config)
+    assert uploads[0][2] == table_words and torch.equal(long.work_list, words)
+    assert long.launch_args[3] == long.work_list.data_ptr()
+    monkeypatch.setattr(submission, "_table_ring", ring)
+    # the 128-row build reads no work list: address 0, nothing staged after the tables
+    uploads.clear()
+    tile128 = submission._build_launch_metadata(data, torch.device("cpu"), submission_sm90.SM90_VARIANT_CONFIGS["sm90_tile128"])
+    assert uploads[0][2] == table_words and tile128.work_list is None and tile128.launch_args[3] == 0
+
+
 def _stub_full_path(monkeypatch):
     """custom_kernel's full path on CPU tensors with everything past the host logic stubbed out: returns
     (seen, launches): what the stubs were given, and one entry per launch."""
