@@ -714,21 +714,33 @@ class LaunchMetadata:
     table_args: tuple  # the three table addresses: what a descriptor preparation kernel is launched with
     prepass_args: tuple = ()  # Hopper a16_prepass: `Sm90AConvertKernel`'s table addresses and grid x
     work_list: Optional[torch.Tensor] = None  # Hopper m_exact: the plan's words on the device, after the tables
+    device_bytes: int = 0  # device memory the entry holds (tables, workspace, a work list of its own)
 
 
 # Bounded: the benchmark cycles through 15 input sets per shape; 64 covers that with room, and entries
-# of freed tensors fall out instead of piling up.
+# of freed tensors fall out instead of piling up. And by bytes: a Hopper workspace holds the call's A as fp16
+# (a MoE prefill step of 32k routed tokens by K 7168: 470 MB), and in a serving loop every step is a new
+# entry, never used again; past LAUNCH_METADATA_CACHE_BYTES the oldest entries go (the newest stays, whatever
+# its size), and so do the prepared calls that hold them.
 LAUNCH_METADATA_CACHE_SIZE = 64
+LAUNCH_METADATA_CACHE_BYTES = 2 << 30
 _launch_metadata: "OrderedDict[tuple, LaunchMetadata]" = OrderedDict()
 
 
 def cached_launch_metadata(key: tuple, build: Callable[[], LaunchMetadata]) -> LaunchMetadata:
-    """The entry for `key`, built on a miss; least recently used entries are dropped past the bound."""
+    """The entry for `key`, built on a miss; least recently used entries are dropped past the bounds."""
     entry = _launch_metadata.get(key)
     if entry is None:
         entry = _launch_metadata[key] = build()
-        if len(_launch_metadata) > LAUNCH_METADATA_CACHE_SIZE:
-            _launch_metadata.popitem(last=False)
+        held = sum(e.device_bytes for e in _launch_metadata.values())
+        dropped = []
+        while len(_launch_metadata) > LAUNCH_METADATA_CACHE_SIZE or (
+                held > LAUNCH_METADATA_CACHE_BYTES and len(_launch_metadata) > 1):
+            _, old = _launch_metadata.popitem(last=False)
+            held -= old.device_bytes
+            dropped.append(old)
+        if dropped:
+            _forget_prepared_calls_of(dropped)
     else:
         _launch_metadata.move_to_end(key)
     return entry
@@ -739,7 +751,7 @@ def cached_launch_metadata(key: tuple, build: Callable[[], LaunchMetadata]) -> L
 # ---------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class TableUploadConfig:
-    """Compile-time configuration of `TableUploadKernel` (the word count comes from G)."""
+    """Compile-time configuration of `TableUploadKernel` (the word count comes at run time)."""
 
     threads: int = 128
 
@@ -2581,8 +2593,11 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
     _table_ring.uploaded()  # the staging piece is handed out again only once this upload has run
     prepass_args = (*tables, *schedule.prepass_counts) if schedule.prepass_counts else ()
     work_args = () if work_list is None else (work_list.data_ptr(),)
+    own_list = work_list is not None and work_list.untyped_storage().data_ptr() != table_buffer.untyped_storage().data_ptr()
+    held = sum(t.numel() * t.element_size() for t in (table_buffer, workspace, work_list if own_list else None)
+               if t is not None)
     return LaunchMetadata(table_buffer, workspace, schedule.num_tiles, schedule.num_ctas,
-                          (*tables, *work_args, *schedule.counts), tables, prepass_args, work_list)
+                          (*tables, *work_args, *schedule.counts), tables, prepass_args, work_list, held)
 
 
 def kernel_config(data, device: torch.device):
@@ -2651,6 +2666,14 @@ def _prepared_call(data) -> Optional[_PreparedCall]:
 def forget_prepared_calls() -> None:
     """Drops every prepared call (a setting outside their key changed: submission_sm90.set_sm90_variant)."""
     _prepared_calls.clear()
+
+
+def _forget_prepared_calls_of(dropped: list) -> None:
+    """Drops the prepared calls that hold launch metadata the metadata cache dropped (so its device memory
+    goes with it)."""
+    gone = {id(metadata) for metadata in dropped}
+    for key in [key for key, entry in _prepared_calls.items() if id(entry.metadata) in gone]:
+        del _prepared_calls[key]
 
 
 def first_launched_group(sizes) -> Optional[int]:

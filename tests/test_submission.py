@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -518,6 +519,28 @@ def _stub_full_path(monkeypatch):
     monkeypatch.setattr(submission, "make_call_launcher", lambda num_groups, arch, config, kernel, metadata:
                         lambda: launches.append((kernel, metadata.launch_args)))
     return seen, launches
+
+
+def test_launch_metadata_cache_is_bounded_by_device_bytes(monkeypatch):
+    # Every decode step of a MoE layer is a new entry (a Hopper workspace holds the call's A as fp16): past the
+    # byte bound the oldest entries go, the newest stays whatever its size, and prepared calls holding a
+    # dropped entry go with it (else they would keep its device memory).
+    monkeypatch.setattr(submission, "_launch_metadata", OrderedDict())
+    monkeypatch.setattr(submission, "LAUNCH_METADATA_CACHE_BYTES", 1000)
+    entry = lambda size: submission.LaunchMetadata(None, None, 1, 1, (), (), device_bytes=size)  # noqa: E731
+    made = {name: entry(size) for name, size in (("a", 400), ("b", 300), ("c", 300), ("e", 200), ("d", 2000))}
+    prepared = {("call", name): submission._PreparedCall((), (), None, made[name], ()) for name in made}
+    monkeypatch.setattr(submission, "_prepared_calls", dict(prepared))
+    for name in "abc":
+        assert submission.cached_launch_metadata(name, lambda: made[name]) is made[name]
+    assert list(submission._launch_metadata) == ["a", "b", "c"]  # 1000 bytes: at the bound
+    assert submission.cached_launch_metadata("a", lambda: pytest.fail("a hit builds nothing")) is made["a"]
+    submission.cached_launch_metadata("e", lambda: made["e"])
+    assert list(submission._launch_metadata) == ["c", "a", "e"]  # "b" was the least recently used
+    assert ("call", "b") not in submission._prepared_calls and ("call", "a") in submission._prepared_calls
+    submission.cached_launch_metadata("d", lambda: made["d"])
+    assert list(submission._launch_metadata) == ["d"]  # the newest stays, alone over the bound
+    assert set(submission._prepared_calls) == {("call", "d")}
 
 
 def test_fast_path_never_touches_the_ring(monkeypatch):
