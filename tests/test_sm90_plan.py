@@ -141,6 +141,22 @@ def test_work_list_words_decode_to_the_plan(shape):
     assert _decode(words, len(plan.cta_tiles)) == (12345, expect)
 
 
+@pytest.mark.parametrize("build", M_EXACT_BUILDS)
+@pytest.mark.parametrize("shape", _moe_shapes(6), ids=["g256", "g128", "g64"])
+def test_bulk_plan_words_decode_to_the_plan(shape, build):
+    # MoE shapes (tiles many per CTA) take the vectorised plan: its words, as the kernel reads them, are its
+    # tiles; its makespan is its busiest CTA's load, within one tile of the mean load.
+    widths = submission_sm90.SM90_VARIANT_CONFIGS[build].widths
+    plan = submission_sm90.plan_sm90_work(shape, 132, widths)
+    assert isinstance(plan, submission_sm90.Sm90BulkPlan)
+    words = plan.words(0)
+    assert _decode(words, plan.num_ctas) == (0, [[list(t) for t in tiles] for tiles in plan.cta_tiles])
+    cost = lambda t: submission_sm90.sm90_tile_cost(widths[t[2]], t[5] * 128)  # noqa: E731
+    loads = [sum(cost(t) for t in tiles) for tiles in plan.cta_tiles]
+    assert plan.makespan == max(loads)
+    assert max(loads) - sum(loads) / len(loads) <= max(cost(t) for tiles in plan.cta_tiles for t in tiles)
+
+
 def test_split_k_splits_where_whole_tiles_leave_sms_idle():
     # bench2 (120 tiles of 32 chunks on 132 SMs) gets split tiles and a shorter predicted makespan; bench0 /
     # bench1 (more tiles than SMs) and bench3 (nothing to gain) keep their whole-tile plans; a single tile of
