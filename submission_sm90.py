@@ -430,8 +430,8 @@ def _sm90_split_k(problem_sizes, splits: list, num_sms: int, widths: tuple) -> O
 class Sm90BulkPlan:
     """`plan_sm90_work`'s plan where whole tiles are many per CTA (MoE layers: hundreds of experts, a new
     split of tokens every step, so a plan per call): the schedule of `Sm90WorkPlan` (whole tiles only), held
-    as tensors and made by torch's CPU ops, so that planning a new routing costs well under a millisecond
-    of host time instead of 5-30 (`_sm90_bulk_plan`)."""
+    as tensors and made by torch's CPU ops, so that planning a new routing costs about a millisecond of
+    host time instead of up to 27 (`_sm90_bulk_plan`)."""
 
     widths: tuple  # as Sm90WorkPlan's
     splits: tuple  # as Sm90WorkPlan's
@@ -478,9 +478,10 @@ def _sm90_bulk_plan(problem_sizes: tuple, num_sms: int, widths: tuple) -> Option
     mean load (`_sm90_makespan`), so each group takes, on its own, the split count whose tiles cost least
     in all (of the fewest tiles of at most each width; ties: fewer tiles). Tiles go longest first (stable:
     group, split, N order, as `_sm90_assign` sorts them) to the CTAs in snake order (0 .. grid - 1, then
-    back), a CTA's load within about one tile of the mean. Vectorised over groups and tiles: host cost
-    ~0.1-0.5 ms for 128-256 experts (2k-14k tiles), where the search and the longest-first assignment of
-    `plan_sm90_work` took 4-20 ms and the word list as many again (2-core CPU, torch 2.13)."""
+    back), the last SM90_BULK_TAIL_LAPS laps to the least loaded CTAs first: a CTA's load within one tile of
+    the mean. Vectorised over groups and tiles: 0.8-1.8 ms per new routing of the `bench.py --moe` shapes
+    (2k-17k tiles, words included), where the search, the longest-first assignment and the word list took
+    13-27 ms for the DeepSeek-V3 ones (2-core CPU, torch 2.13)."""
     sizes = torch.tensor(problem_sizes, dtype=torch.int64).reshape(-1, 4)
     m, n_tiles, chunks = sizes[:, 0], sizes[:, 1] // 128, sizes[:, 2] // 128
     w = torch.tensor(widths, dtype=torch.int64)
