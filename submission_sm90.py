@@ -485,13 +485,18 @@ def _sm90_bulk_plan(problem_sizes: tuple, num_sms: int, widths: tuple) -> Option
     sizes = torch.tensor(problem_sizes, dtype=torch.int64).reshape(-1, 4)
     m, n_tiles, chunks = sizes[:, 0], sizes[:, 1] // 128, sizes[:, 2] // 128
     w = torch.tensor(widths, dtype=torch.int64)
+    # `sm90_tile_cost` of each (K, width index): the groups' K take a few values
+    ks = sorted({k for _, _, k, _ in problem_sizes})
+    costs = torch.tensor([[sm90_tile_cost(width, k) for width in widths] for k in ks], dtype=torch.int64)
+    k_index = torch.searchsorted(torch.tensor(ks, dtype=torch.int64), sizes[:, 2].contiguous())
     # candidates per group (one per width cap, fewest tiles first): tile count and the narrowest width that
-    # covers M with that many tiles (`_sm90_split_width`)
+    # covers M with that many tiles (`_sm90_split_width`), as an index into `widths`
     count = ((m[:, None] + w - 1) // w).flip(1)
-    width = torch.where(w * count[:, :, None] >= m[:, None, None], w, widths[-1]).amin(-1)
-    tile_cost = chunks[:, None] * torch.clamp(width + SM90_CHUNK_OVERHEAD_ROWS, min=SM90_CHUNK_FLOOR) + SM90_TILE_OVERHEAD
+    width_index = (w * count[:, :, None] >= m[:, None, None]).int().argmax(-1)
+    tile_cost = costs[k_index[:, None], width_index]
     pick = (count * n_tiles[:, None] * tile_cost).argmin(1, keepdim=True)  # the first of equal costs: fewest tiles
-    count, width, tile_cost = (t.gather(1, pick)[:, 0] for t in (count, width, tile_cost))
+    count, width_index, tile_cost = (t.gather(1, pick)[:, 0] for t in (count, width_index, tile_cost))
+    width = w[width_index]
     tiles = count * n_tiles
     num_tiles = int(tiles.sum())
     grid = min(num_sms, num_tiles)
@@ -503,7 +508,7 @@ def _sm90_bulk_plan(problem_sizes: tuple, num_sms: int, widths: tuple) -> Option
     order = torch.sort(tile_cost[group], descending=True, stable=True).indices
     index = (torch.arange(group.numel()) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count))[order]
     group = group[order]
-    split_words = torch.stack([group, index * width[group], torch.searchsorted(w, width[group]), torch.zeros_like(group),
+    split_words = torch.stack([group, index * width[group], width_index[group], torch.zeros_like(group),
                                torch.zeros_like(group), chunks[group], torch.full_like(group, -1),
                                torch.zeros_like(group)], 1).to(torch.int32)
     # Tile t of that order: split tile_split[t], N tile n_tile[t] (each split's N tiles in turn).
@@ -1368,13 +1373,13 @@ class Sm90BlockScaledGroupedGemmKernel:
         if warp < 4:
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
             load_warp = self.config.a16_load_warp
+            loads = (ptrs, sizes, work, descriptors, total_tiles, bid, grid, stage_pipe, a16_pipe, (tma_a, tma_b),
+                     (tAgA, tBgB), (tAsA, tBsB), smem)
             if warp == 0:
-                self.producer(ptrs, sizes, work, descriptors, total_tiles, bid, grid, stage_pipe, a16_pipe,
-                              (tma_a, tma_b), (tAgA, tBgB), (tAsA, tBsB), smem, True, not load_warp)
+                self.producer(*loads, True, not load_warp)
             if cutlass.const_expr(load_warp):
                 if warp == 1:
-                    self.producer(ptrs, sizes, work, descriptors, total_tiles, bid, grid, stage_pipe, a16_pipe,
-                                  (tma_a, tma_b), (tAgA, tBgB), (tAsA, tBsB), smem, False, True)
+                    self.producer(*loads, False, True)
         elif warp < 8:
             cute.arch.warpgroup_reg_dealloc(self.transform_regs)
             if cutlass.const_expr(not self.prepass):
@@ -1493,21 +1498,19 @@ class Sm90BlockScaledGroupedGemmKernel:
             sfa_row = cutlass.Int64((m0 // 128) * rest_k) * 512
         for c in range(chunks):
             kc = k0 + c  # the chunk's position in K
-            if cutlass.const_expr(stage_loads and self.config.a16_load_warp):
-                # the weight-loading warp: B and its scales with the elected lane's predicate on the
-                # instructions (see `tma_load_2d_elected`'s NOTES)
-                state = ring_state(chunk + c, self.num_stages, producer=True)
-                stage_pipe.producer_acquire(state)
-                full = stage_pipe.producer_get_barrier(state).toint()
-                tma_load_2d_elected(smem.b + state.index * self.b_bytes, desc[Sm90TensorMapSlot.B].toint(), kc * 64,
-                                    n_tile * self.tile_n, full)
-                bulk_load_elected(smem.sf + state.index * self.sf_stage_bytes + self.sfb_in_stage,
-                                  sfb + cutlass.Int64(n_tile * rest_k) * 512 + cutlass.Int64(kc) * 1024,
-                                  self.SF_BYTES, full)
-            elif cutlass.const_expr(stage_loads):
+            if cutlass.const_expr(stage_loads):
                 state = ring_state(chunk + c, self.num_stages, producer=True)
                 stage_pipe.producer_acquire(state)  # waits for the stage, then expects its bytes
                 full = stage_pipe.producer_get_barrier(state)
+            if cutlass.const_expr(stage_loads and self.config.a16_load_warp):
+                # the weight-loading warp: B and its scales with the elected lane's predicate on the
+                # instructions (see `tma_load_2d_elected`'s NOTES)
+                tma_load_2d_elected(smem.b + state.index * self.b_bytes, desc[Sm90TensorMapSlot.B].toint(), kc * 64,
+                                    n_tile * self.tile_n, full.toint())
+                bulk_load_elected(smem.sf + state.index * self.sf_stage_bytes + self.sfb_in_stage,
+                                  sfb + cutlass.Int64(n_tile * rest_k) * 512 + cutlass.Int64(kc) * 1024,
+                                  self.SF_BYTES, full.toint())
+            elif cutlass.const_expr(stage_loads):
                 if cutlass.const_expr(not self.prepass):
                     cute.copy(tma_a, tAgA[(None, m0 // 128, kc)], tAsA[(None, state.index)], tma_bar_ptr=full,
                               tma_desc_ptr=desc[Sm90TensorMapSlot.A])
