@@ -91,10 +91,17 @@ class CountingEvent(submission.KernelQueueEvent):
 
 
 def test_ring_waits_for_uploads_queued_behind_a_stall(default_queue, monkeypatch):
-    num_groups, pieces = len(ARGS["m"]), 3
-    words = submission.table_words(num_groups)[1]
-    assert words % 2 == 0  # every piece is exactly `words`: the ring holds `pieces` of them
-    ring = submission.PinnedTableRing(pieces * words, new_event=CountingEvent)
+    pieces = 3
+    # One input set's piece: its tables and, on Hopper, the GEMM's work list after them. A first call into a
+    # roomy ring measures it (same sizes throughout, so every piece below is this long).
+    probe = submission.PinnedTableRing(1 << 16, new_event=CountingEvent)
+    monkeypatch.setattr(submission, "_table_ring", probe)
+    monkeypatch.setattr(submission, "_launch_metadata", OrderedDict())
+    monkeypatch.setattr(submission, "_prepared_calls", {})
+    submission.custom_kernel(reference.generate_input(**ARGS, seed=40))
+    words = probe.next
+    assert words >= submission.table_words(len(ARGS["m"]))[1] and len(probe.pending) == 1
+    ring = submission.PinnedTableRing(pieces * words, new_event=CountingEvent)  # holds `pieces` of them
     monkeypatch.setattr(submission, "_table_ring", ring)
     monkeypatch.setattr(submission, "_launch_metadata", OrderedDict())  # every input set below is a miss
     monkeypatch.setattr(submission, "_prepared_calls", {})
