@@ -2,7 +2,7 @@
 
     python bench.py [FILE] [--repeats N] [--plot roofline.png] [--skip-slow] [--launch-paths P,Q] [--no-humming]
     python bench.py [FILE] --pdl-ab ROUNDS
-    python bench.py --moe [--moe-cases A,B] [--moe-calls N] [--moe-patterns N]
+    python bench.py --moe [--moe-cases A,B] [--moe-calls N] [--moe-patterns N] [--moe-profile]
 
 For every benchmark case of FILE (default task.yml) it times, each on the same 15 input sets:
   kernel         submission.custom_kernel(data)
@@ -25,7 +25,8 @@ alternating in ROUNDS rounds in one process on the same inputs, and prints media
 With --moe it runs bench_moe.py's cases instead: routed-expert GEMMs of DeepSeek-V3 and Qwen3-30B-A3B layers
 (128-256 experts, top-8 routing with skewed popularity, some experts empty, full-range values), the kernel
 against torch._grouped_mm and a cuBLAS loop on bf16, the fp4-bytes and bf16 floors, the first call's time
-and its compiles; a markdown table on stdout (bench_moe.py's docstring says how).
+and its compiles; a markdown table on stdout (bench_moe.py's docstring says how). --moe-profile adds, on
+stderr, a profile of one more re-routed call per case: where a new routing's host time goes.
 Notes under the table say whether humming passed the check (and its worst |err|/tol), or why its column is
 absent (humming-kernels not importable, or --no-humming).
 """
@@ -453,6 +454,8 @@ def main(argv=None) -> int:
     moe.add_argument("--moe-calls", type=_positive_int, metavar="N", help="timed calls per method (median; 20)")
     moe.add_argument("--moe-patterns", type=_non_negative_int, metavar="N",
                      help="later calls on tokens routed anew, for the compile count (3)")
+    moe.add_argument("--moe-profile", action="store_true",
+                     help="print a profile of one more re-routed call per case (stderr): where its host time goes")
     args = parser.parse_args(argv)
     problem = bench_moe.options_problem(args, {dest: parser.get_default(dest) for dest in vars(args)})
     if problem:

@@ -18,9 +18,12 @@ events, L2 flushed before it. Floors: the fp4 bytes of the active experts at the
 (bytes with 2-byte operands, or tensor-core time, whichever is larger). Progress goes to stderr, the
 markdown table and its notes to stdout; exit 1 when an output missed its tolerance or a case failed.
 """
+import cProfile
 import dataclasses
+import io
 import math
 import os
+import pstats
 import statistics
 import time
 from typing import Callable, Optional
@@ -93,12 +96,13 @@ def options_problem(args, defaults: dict) -> Optional[str]:
     """What is wrong with bench.py's MoE options (one line), or None; fills in the defaults of --moe-calls
     (20) and --moe-patterns (3) when --moe is given."""
     given = [f"--moe-{o}" for o in ("cases", "calls", "patterns") if getattr(args, f"moe_{o}") is not None]
+    given += ["--moe-profile"] if getattr(args, "moe_profile", False) else []
     if not args.moe:
         return f"{given[0]} needs --moe" if given else None
     others = [flag for dest, flag in OTHER_OPTIONS if getattr(args, dest) != defaults[dest]]
     if others:
         return f"{others[0]} does not apply to --moe (it runs its own cases; its options: --moe-cases, " \
-               "--moe-calls, --moe-patterns)"
+               "--moe-calls, --moe-patterns, --moe-profile)"
     try:
         select_cases(args.moe_cases)
     except ValueError as err:
@@ -299,7 +303,21 @@ class MoeRow:
 BUSY_CYCLES = 40_000_000
 
 
-def run_case(case: MoeCase, submission, calls: int, patterns: int, device, notes: list) -> MoeRow:
+def profile_lines(fn: Callable[[], object], top: int = 15) -> list:
+    """Runs fn once under cProfile: the `top` entries by cumulative time (pstats' table), as lines."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        fn()
+    finally:
+        profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
+    return [line for line in text.getvalue().splitlines() if line.strip()]
+
+
+def run_case(case: MoeCase, submission, calls: int, patterns: int, device, notes: list,
+             profile: bool = False) -> MoeRow:
     say = lambda what: harness.progress(f"[{case.name}] {what}")  # noqa: E731
     count = compile_counter(submission)
     on_gpu = torch.device(device).type == "cuda"
@@ -333,6 +351,15 @@ def run_case(case: MoeCase, submission, calls: int, patterns: int, device, notes
         row.worst = max(row.worst, worst_error_ratio(other, out))
         del other, out
     row.compiles_later = later if count else None
+    if profile:  # one more routing, profiled (its host time is not in the table: the profiler slows it)
+        other = make_input(case, route(case, case.seed + patterns + 1), weights, case.seed + patterns + 1, device)
+        sync()
+        keep_gpu_busy()
+        say("profile of a re-routed call (GPU busy), by cumulative time:")
+        for line in profile_lines(lambda: submission.custom_kernel(other)):
+            harness.progress("    " + line)
+        sync()
+        del other
     say(f"timing the kernel ({calls} calls)")
     row.times["kernel"] = median_us(lambda: submission.custom_kernel(data), calls)
     say("dequantizing to bf16 (not timed), timing torch._grouped_mm and the cuBLAS loop")
@@ -426,7 +453,8 @@ def main(args, submission, device="cuda") -> int:
         harness.progress(f"[{idx + 1}/{len(cases)}] {case.name}: {case.layer}, N {case.n} K {case.k}, "
                          f"{case.experts} experts, {case.tokens} tokens x top-{case.top_k}")
         try:
-            rows.append(run_case(case, submission, calls, patterns, torch.device(device), notes))
+            rows.append(run_case(case, submission, calls, patterns, torch.device(device), notes,
+                                 getattr(args, "moe_profile", False)))
         except Exception as err:  # one case's failure is its row, and the run goes on
             harness.progress(f"[{case.name}] failed: {type(err).__name__}: {err}")
             rows.append(MoeRow(case, route(case, case.seed), error=f"{type(err).__name__}: "

@@ -116,9 +116,9 @@ def _start_worker(arch: str, variant: Optional[str]) -> None:
 # without any has its wgmmas serialized by ptxas (its C7512 "Potential Performance Loss" info).
 # PR2UR: `@P0 R2UR`, a move to a uniform register under a per-lane predicate, which ptxas emits for a TMA or
 # bulk copy whose operands it computes inside a one-lane branch; on sm_90a it is an illegal instruction
-# (CUDA error 715), so a build with one would fail at run time (submission_sm90's NOTES at
-# `tma_load_2d_elected`). For sm_100a ptxas emits the predicated form `R2UR.BROADCAST` instead, which this
-# does not count.
+# (CUDA error 715, per the CUTLASS CuTe-DSL Hopper grouped GEMM example), so a build with one would fail at
+# run time (docs/HOPPER_NOTES.md, "SASS pitfall met"). For sm_100a ptxas emits the predicated form
+# `R2UR.BROADCAST` instead, which this does not count.
 SASS_MEANING = {
     "UTCOMMA": "tcgen05 MMAs (block-scaled)",
     "UTCQMMA": "tcgen05 MMAs, the other SASS form",

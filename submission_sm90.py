@@ -15,9 +15,8 @@ other parts' fp32 partials in the workspace: `Sm90BlockScaledGroupedGemmKernel.s
 copies are the DSL's pipeline classes and TMA atoms, as on Blackwell; inline PTX is left for the operand
 conversions and hand-addressed shared memory. `sm90_tile128` uses 128-row tiles on the round-robin
 `GroupTileScheduler` and converts A in a transform warpgroup of every CTA. `sm90_a16_narrow` is the M-exact
-kernel built for tiles 16-64 rows wide with a 12-stage weight ring, for MoE experts with a few tokens each
-(its producer warpgroup has two loading warps: warp 0 the weights, warp 1 the fp16 A, `a16_load_warp`):
-built and SASS-checked, not yet run on a GPU, so only a forced choice runs it.
+kernel built for tiles 16-64 rows wide, for MoE experts with a few tokens each; `sm90_auto` takes it where
+the non-empty groups average at most `SM90_NARROW_MEAN_ROWS` rows.
 
 What this module shares with the B200 kernels, from submission.py: the host path (constraint check,
 pointer/size tables, launch-metadata and compile caches, the prepared-call fast path, the launch paths), the
@@ -69,8 +68,7 @@ _OperandMajorMode = getattr(cute.nvgpu, "OperandMajorMode", None) or warpgroup.O
 # takes the widths between its min_width and max_width; each is its own compiled mainloop, chosen per tile at
 # run time. 192 is the widest whose three fp16 A buffers (48 KB each) fit in shared memory beside the B
 # stages and the epilogue slabs. A kernel built for widths up to 128 fits four 32 KB buffers instead: a
-# deeper A prefetch. The narrow build (16-64) is for experts with few tokens: its 16 KB buffers leave room
-# for a deep weight ring (`SM90_NARROW_STAGES`).
+# deeper A prefetch. The narrow build (16-64) is for experts with few tokens (`SM90_NARROW_MEAN_ROWS`).
 # NOTES: at most five widths per build: with a sixth mainloop (32 beside 64-192) ptxas serialized every wgmma
 # of the kernel ("insufficient register resources", C7512; tests/test_build.py checks the SASS for it). No
 # width 8: DSL 4.3.5 rejects the register-sourced 64x8x16 wgmma of this kernel at IR verification ("'cute.gemm'
@@ -87,11 +85,14 @@ def sm90_widths(max_width: int, min_width: int = SM90_DEFAULT_WIDTHS[0]) -> tupl
     return tuple(w for w in SM90_WIDTHS if min_width <= w <= max_width)
 
 
-# The narrow build's weight ring: stages of 9 KB (128 rows of B x 128 k of fp4, and its scales), 108 KB in
-# flight per SM. Streaming the weights at the DRAM rate needs rate x latency in flight: 4.14 TB/s over 132
-# SMs is 31 KB/us per SM, so 4 stages (36 KB) cover only about 1.1 us of loaded DRAM latency. A ring deeper
-# than the fp16 A ring streams only with the A loads in a warp of their own (`Sm90GemmConfig.a16_load_warp`).
-SM90_NARROW_STAGES = 12
+# `sm90_auto` takes the narrow build (widths 16-64) where the non-empty groups average at most this many rows.
+# NOTES: measured on the H200 (DSL 4.3.5, docs/HOPPER_NOTES.md v23), the narrow build against the wide builds
+# on the five MoE decode cases of bench.py --moe: 17-19 % faster on the three DeepSeek-V3 ones (8.4 and 3.2
+# rows per active expert), 7 % faster on Qwen3 down and 2 % slower on Qwen3 up (32.5 rows). The benchmarks
+# and task.yml shapes (40-512 rows) keep the wide builds. Its weight ring stays at 4 stages: 12 stages
+# measured 1-3 % slower on all five (with the fp16 A loads in a warp of their own too, a form that was also
+# wrong on two benchmark shapes and was removed), so weight bytes in flight are not what holds it back.
+SM90_NARROW_MEAN_ROWS = 16
 # Cost of one 128-k chunk of an M-exact tile, in rows of MMA: its W rows plus the B conversion and
 # pipeline work that does not shrink with W (H200: a 128-row a16 chunk took 0.86 us, 0.67 us of it MMA).
 SM90_CHUNK_OVERHEAD_ROWS = 36
@@ -133,11 +134,6 @@ class Sm90GemmConfig:
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
-    a16_load_warp: a16_prepass only: the fp16 A loads come from a warp of their own (the producer
-      warpgroup's warp 1; it also waits at the fused conversion's grid barrier), so the weight ring is not
-      held to the A ring's depth. False: the producer warp issues each chunk's stage and its fp16 A in turn,
-      so it waits for a free A buffer before the next stage: the stages in flight are at most about num_a16 + 1
-      whatever num_stages is (a 12-stage ring beside 4 A buffers would stream like 5 stages).
     """
 
     num_stages: int = 0
@@ -148,14 +144,11 @@ class Sm90GemmConfig:
     max_width: int = SM90_DEFAULT_WIDTHS[-1]
     min_width: int = SM90_DEFAULT_WIDTHS[0]
     split_k: bool = True
-    a16_load_warp: bool = False
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
             raise ValueError("Sm90GemmConfig: m_exact and a16_prepass go together (the M-exact tiles load fp16 A; "
                              "128-row tiles convert A in the kernel)")
-        if self.a16_load_warp and not self.a16_prepass:
-            raise ValueError("Sm90GemmConfig: a16_load_warp needs a16_prepass (without it A arrives in the stages)")
         for name, default in (("max_width", SM90_DEFAULT_WIDTHS[-1]), ("min_width", SM90_DEFAULT_WIDTHS[0])):
             value = getattr(self, name)
             if value not in SM90_WIDTHS or (value != default and not self.m_exact):
@@ -181,38 +174,36 @@ SM90_VARIANT_CONFIGS = {
     "sm90_tile128": Sm90GemmConfig(),
     "sm90_a16_mexact": Sm90GemmConfig(a16_prepass=True, m_exact=True),
     "sm90_a16_mexact128": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=128),
-    "sm90_a16_narrow": Sm90GemmConfig(num_stages=SM90_NARROW_STAGES, a16_prepass=True, m_exact=True,
-                                      max_width=64, min_width=16, a16_load_warp=True),
+    "sm90_a16_narrow": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=64, min_width=16),
 }
 
 
 def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
     """M-exact tiles with A converted once per call, for every problem: on the H200 they were faster than or
     level with every other variant on each benchmark (docs/HOPPER_NOTES.md v11); their plan
-    (`plan_sm90_work`) already weighs tile widths and split-K against filling the SMs. The build for widths
-    up to 128 (`sm90_a16_mexact128`, one fp16 A buffer more: a deeper A prefetch the plan's model does not
-    see) wherever its plan's predicted makespan is no longer than the widest build's; else
-    `sm90_a16_mexact`. Measured on the H200 (docs/HOPPER_NOTES.md v17, v22): equal plans (bench3) 2.0 %
-    faster at 128, equal makespans with different plans (bench0) 6 % faster at 128; where the 128 plan is
-    predicted longer (bench1: 19 %, bench2: 19 %) it measured 16 % and 11 % slower. Empty groups do not
-    count. No sizes (`compile_for`): `sm90_a16_mexact`."""
+    (`plan_sm90_work`) already weighs tile widths and split-K against filling the SMs.
+    - Experts with a few tokens each (the non-empty groups average at most `SM90_NARROW_MEAN_ROWS` rows):
+      `sm90_a16_narrow` (tiles 16-64 rows wide), measured 17-19 % faster on the DeepSeek-V3 decode cases
+      (docs/HOPPER_NOTES.md v23).
+    - Else the build for widths up to 128 (`sm90_a16_mexact128`, one fp16 A buffer more: a deeper A prefetch
+      the plan's model does not see) wherever its plan's predicted makespan is no longer than the widest
+      build's; else `sm90_a16_mexact`. Measured on the H200 (docs/HOPPER_NOTES.md v17, v22): equal plans
+      (bench3) 2.0 % faster at 128, equal makespans with different plans (bench0) 6 % faster at 128; where
+      the 128 plan is predicted longer (bench1: 19 %, bench2: 19 %) it measured 16 % and 11 % slower.
+    Empty groups do not count. No sizes (`compile_for`): `sm90_a16_mexact`."""
     sizes = tuple(tuple(size) for size in problem_sizes if size[0] != 0)
     return _choose_sm90_config(sizes, num_sms)
 
 
 @functools.lru_cache(maxsize=256)
 def _choose_sm90_config(sizes: tuple, num_sms: int) -> Sm90GemmConfig:
-    """`choose_sm90_config` once per problem shape (comparing two plans is O(tiles)).
-
-    NOTES: `sm90_a16_narrow` is not a candidate yet: it is built and SASS-checked but has not run on a GPU.
-    Its plan's makespan is 0.59-0.68x the wide builds' on the DeepSeek-V3 decode cases of bench.py --moe and
-    1.28-1.55x on the four benchmarks (docs/HOPPER_NOTES.md v23). The rule planned once it has run: take it
-    where its makespan is at most 0.9x the better wide build's (the model sees neither its deeper ring nor
-    its 16-row TMA boxes)."""
-    wide, narrow = SM90_VARIANT_CONFIGS["sm90_a16_mexact"], SM90_VARIANT_CONFIGS["sm90_a16_mexact128"]
-    if sizes and (plan_sm90_work(sizes, num_sms, narrow.widths, narrow.split_k).makespan
+    """`choose_sm90_config` once per problem shape (comparing two plans is O(tiles))."""
+    if sizes and sum(size[0] for size in sizes) <= SM90_NARROW_MEAN_ROWS * len(sizes):
+        return SM90_VARIANT_CONFIGS["sm90_a16_narrow"]
+    wide, mid = SM90_VARIANT_CONFIGS["sm90_a16_mexact"], SM90_VARIANT_CONFIGS["sm90_a16_mexact128"]
+    if sizes and (plan_sm90_work(sizes, num_sms, mid.widths, mid.split_k).makespan
                   <= plan_sm90_work(sizes, num_sms, wide.widths, wide.split_k).makespan):
-        return narrow
+        return mid
     return wide
 
 
@@ -674,37 +665,6 @@ def with_tx_count(pipe, tx_count: int):
     full = pipe.sync_object_full.recast_to_new_op_type(pipe.sync_object_full.op_type)
     full.tx_count = tx_count
     return dataclasses.replace(pipe, sync_object_full=full)
-
-
-# NOTES: a register moved to a uniform register under a lane predicate ("@P0 R2UR") is an illegal instruction
-# on sm_90a (CUDA error 715; the CUTLASS CuTe-DSL Hopper grouped GEMM example met it). ptxas emits one where
-# a TMA or bulk copy sits in a branch taken by one lane (the DSL's elected TMA copies, an `if lane == 0`) and
-# its operands come from vector registers: it if-converts the branch and computes the operands under the
-# lane's predicate. The two loads below carry the elected lane's predicate on the instruction itself, so
-# their operands are computed by every lane (the CUTLASS example's remedy). The Hopper kernel uses them
-# where the DSL's copies got predicated R2UR: the weight-loading warp of `Sm90GemmConfig.a16_load_warp`.
-# tests/test_build.py checks every Hopper build's SASS for a predicated R2UR.
-@dsl_user_op
-def tma_load_2d_elected(smem_dst, descriptor, c0, c1, mbar, *, loc=None, ip=None):
-    """One elected lane of the warp TMA-loads the box at coordinates (c0, c1) (innermost first) of the
-    tensor that `descriptor` (generic address) describes into shared memory at `smem_dst`, completing its
-    bytes on the mbarrier at `mbar`."""
-    _asm(None, [_i32(smem_dst, loc, ip), _i64(descriptor, loc, ip), _i32(c0, loc, ip), _i32(c1, loc, ip),
-                _i32(mbar, loc, ip)],
-         "{\n.reg .b32 lane;\n.reg .pred p;\nelect.sync lane|p, -1;\n"
-         "@p cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-         " [$0], [$1, {$2, $3}], [$4];\n}",
-         "r,l,r,r,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def bulk_load_elected(smem_dst, src, num_bytes: int, mbar, *, loc=None, ip=None):
-    """One elected lane of the warp bulk-copies `num_bytes` (a multiple of 16) from global `src` to shared
-    `smem_dst`, completing them on the mbarrier at `mbar`."""
-    _asm(None, [_i32(smem_dst, loc, ip), _i64(src, loc, ip), _i32(mbar, loc, ip)],
-         "{\n.reg .b32 lane;\n.reg .pred p;\nelect.sync lane|p, -1;\n"
-         f"@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], {num_bytes}, [$2];\n}}",
-         "r,l,r,~{memory}", True, loc, ip)
 
 
 def byte_tensor(address, num_bytes: int, gmem: bool = False):
@@ -1372,14 +1332,9 @@ class Sm90BlockScaledGroupedGemmKernel:
 
         if warp < 4:
             cute.arch.warpgroup_reg_dealloc(self.producer_regs)
-            load_warp = self.config.a16_load_warp
-            loads = (ptrs, sizes, work, descriptors, total_tiles, bid, grid, stage_pipe, a16_pipe, (tma_a, tma_b),
-                     (tAgA, tBgB), (tAsA, tBsB), smem)
             if warp == 0:
-                self.producer(*loads, True, not load_warp)
-            if cutlass.const_expr(load_warp):
-                if warp == 1:
-                    self.producer(*loads, False, True)
+                self.producer(ptrs, sizes, work, descriptors, total_tiles, bid, grid, stage_pipe, a16_pipe,
+                              (tma_a, tma_b), (tAgA, tBgB), (tAsA, tBsB), smem)
         elif warp < 8:
             cute.arch.warpgroup_reg_dealloc(self.transform_regs)
             if cutlass.const_expr(not self.prepass):
@@ -1434,24 +1389,18 @@ class Sm90BlockScaledGroupedGemmKernel:
         return g, m0, width_idx, n_tile, k0, chunks, split, (group, group_first, group_tiles)
 
     # -----------------------------------------------------------------------------------------------
-    # Producer warps: warp 0 (stages; fp16 A too unless a16_load_warp), warp 1 (fp16 A with a16_load_warp)
+    # Producer warp: per 128-k chunk, the stage (B and its scales; A fp4 too without the prepass) and the fp16 A
     # -----------------------------------------------------------------------------------------------
     @cute.jit
     def producer(self, ptrs, sizes, work, descriptors, total_tiles, bid, grid, stage_pipe, a16_pipe, atoms,
-                 gmem_parts, smem_parts, smem, stage_loads: bool, a16_loads: bool):
-        """A loading warp: it walks this CTA's parts and issues, per 128-k chunk, the stage (stage_loads: B,
-        its scales, and A fp4 with its scales without the prepass) and the fp16 A (a16_loads, prepass only).
-        One warp does both, or (`Sm90GemmConfig.a16_load_warp`) warp 0 the stages and warp 1 the fp16 A."""
+                 gmem_parts, smem_parts, smem):
         # One bulk copy (not a tensor copy) per 1 KB scale slice.
         sf_atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), cutlass.Uint8, num_bits_per_copy=self.SF_BYTES * 8)
         # with the prepass the fp16 A ring expects a tile's own bytes: width rows x 128 k (else the producer
         # does not load A into it)
         a16_pipes = [with_tx_count(a16_pipe, width * self.k_chunk * 2) if cutlass.const_expr(self.prepass)
                      else a16_pipe for width in self.widths]
-        # the descriptors this warp loads through: A (fp16, or fp4 in the stages), B
-        slots = tuple(slot for slot, used in ((Sm90TensorMapSlot.A, a16_loads or not self.prepass),
-                                              (Sm90TensorMapSlot.B, stage_loads)) if used)
-        if cutlass.const_expr(self.fused_convert and a16_loads):
+        if cutlass.const_expr(self.fused_convert):
             # this CTA's arrival (its conversion is done: the kernel's barrier after phase 1), then every CTA's
             if cute.arch.lane_idx() == 0:
                 sm90_grid_arrive_and_wait(self.sync_address(descriptors.tensormaps), cutlass.Uint32(grid - 1))
@@ -1470,62 +1419,49 @@ class Sm90BlockScaledGroupedGemmKernel:
             if g != last_g:
                 # Group g's row was written by the preparation kernel and is never rewritten: loads still in
                 # flight on the previous group's row need no drain.
-                descriptors.acquire(g, slots)
+                descriptors.acquire(g, (Sm90TensorMapSlot.A, Sm90TensorMapSlot.B))
                 last_g = g
             for w in cutlass.range_constexpr(len(self.widths)):
                 if width_idx == w:
                     self.produce_tile(self.widths[w], chunk, ptrs, descriptors, g, m0, n_tile, k_size, k0, chunks,
-                                      stage_pipe, a16_pipes[w], atoms, gmem_parts, smem_parts, sf_atom, smem,
-                                      slots, stage_loads, a16_loads)
+                                      stage_pipe, a16_pipes[w], atoms, gmem_parts, smem_parts, sf_atom, smem)
             chunk = chunk + chunks
 
     @cute.jit
     def produce_tile(self, width: int, chunk, ptrs, descriptors, g, m0, n_tile, k_size, k0, chunks, stage_pipe,
-                     a16_pipe, atoms, gmem_parts, smem_parts, sf_atom, smem, slots: tuple, stage_loads: bool,
-                     a16_loads: bool):
+                     a16_pipe, atoms, gmem_parts, smem_parts, sf_atom, smem):
         """The loads of one part (chunks k0 .. k0 + chunks - 1 of a tile of `width` rows of A): per 128-k chunk
-        a stage (stage_loads: B, its scales; A fp4 and its scales without the prepass) and, with the prepass
-        (a16_loads), the chunk's fp16 A into buffer chunk % num_a16."""
+        a stage (B, its scales; A fp4 and its scales without the prepass) and, with the prepass, the chunk's
+        fp16 A into buffer chunk % num_a16."""
         tma_a, tma_b = atoms
         tAgA, tBgB = gmem_parts
         tAsA, tBsB = smem_parts
-        desc = dict(zip(slots, descriptors.for_tma(g, slots)))
+        desc_a, desc_b = descriptors.for_tma(g, (Sm90TensorMapSlot.A, Sm90TensorMapSlot.B))
         lane = cute.arch.lane_idx()
-        if cutlass.const_expr(stage_loads):
-            sfa = ptrs[g, int(PtrColumn.SFA)]
-            sfb = ptrs[g, int(PtrColumn.SFB)]
-            rest_k = k_size // 64
-            sfa_row = cutlass.Int64((m0 // 128) * rest_k) * 512
+        sfa = ptrs[g, int(PtrColumn.SFA)]
+        sfb = ptrs[g, int(PtrColumn.SFB)]
+        rest_k = k_size // 64
+        sfa_row = cutlass.Int64((m0 // 128) * rest_k) * 512
         for c in range(chunks):
             kc = k0 + c  # the chunk's position in K
-            if cutlass.const_expr(stage_loads):
-                state = ring_state(chunk + c, self.num_stages, producer=True)
-                stage_pipe.producer_acquire(state)  # waits for the stage, then expects its bytes
-                full = stage_pipe.producer_get_barrier(state)
-            if cutlass.const_expr(stage_loads and self.config.a16_load_warp):
-                # the weight-loading warp: B and its scales with the elected lane's predicate on the
-                # instructions (see `tma_load_2d_elected`'s NOTES)
-                tma_load_2d_elected(smem.b + state.index * self.b_bytes, desc[Sm90TensorMapSlot.B].toint(), kc * 64,
-                                    n_tile * self.tile_n, full.toint())
-                bulk_load_elected(smem.sf + state.index * self.sf_stage_bytes + self.sfb_in_stage,
-                                  sfb + cutlass.Int64(n_tile * rest_k) * 512 + cutlass.Int64(kc) * 1024,
-                                  self.SF_BYTES, full.toint())
-            elif cutlass.const_expr(stage_loads):
+            state = ring_state(chunk + c, self.num_stages, producer=True)
+            stage_pipe.producer_acquire(state)  # waits for the stage, then expects its bytes
+            full = stage_pipe.producer_get_barrier(state)
+            if cutlass.const_expr(not self.prepass):
+                cute.copy(tma_a, tAgA[(None, m0 // 128, kc)], tAsA[(None, state.index)], tma_bar_ptr=full,
+                          tma_desc_ptr=desc_a)
+            cute.copy(tma_b, tBgB[(None, n_tile, kc)], tBsB[(None, state.index)], tma_bar_ptr=full,
+                      tma_desc_ptr=desc_b)
+            if lane == 0:  # bulk copies are not elected by the DSL
+                sf_off = cutlass.Int64(kc) * 1024
+                sf_stage = smem.sf + state.index * self.sf_stage_bytes
                 if cutlass.const_expr(not self.prepass):
-                    cute.copy(tma_a, tAgA[(None, m0 // 128, kc)], tAsA[(None, state.index)], tma_bar_ptr=full,
-                              tma_desc_ptr=desc[Sm90TensorMapSlot.A])
-                cute.copy(tma_b, tBgB[(None, n_tile, kc)], tBsB[(None, state.index)], tma_bar_ptr=full,
-                          tma_desc_ptr=desc[Sm90TensorMapSlot.B])
-                if lane == 0:  # bulk copies are not elected by the DSL
-                    sf_off = cutlass.Int64(kc) * 1024
-                    sf_stage = smem.sf + state.index * self.sf_stage_bytes
-                    if cutlass.const_expr(not self.prepass):
-                        cute.copy(sf_atom, byte_tensor(sfa + sfa_row + sf_off, self.SF_BYTES, gmem=True),
-                                  byte_tensor(sf_stage + self.sfa_in_stage, self.SF_BYTES), mbar_ptr=full)
-                    sfb_row = cutlass.Int64(n_tile * rest_k) * 512
-                    cute.copy(sf_atom, byte_tensor(sfb + sfb_row + sf_off, self.SF_BYTES, gmem=True),
-                              byte_tensor(sf_stage + self.sfb_in_stage, self.SF_BYTES), mbar_ptr=full)
-            if cutlass.const_expr(self.prepass and a16_loads):
+                    cute.copy(sf_atom, byte_tensor(sfa + sfa_row + sf_off, self.SF_BYTES, gmem=True),
+                              byte_tensor(sf_stage + self.sfa_in_stage, self.SF_BYTES), mbar_ptr=full)
+                sfb_row = cutlass.Int64(n_tile * rest_k) * 512
+                cute.copy(sf_atom, byte_tensor(sfb + sfb_row + sf_off, self.SF_BYTES, gmem=True),
+                          byte_tensor(sf_stage + self.sfb_in_stage, self.SF_BYTES), mbar_ptr=full)
+            if cutlass.const_expr(self.prepass):
                 # fp16 A of this chunk: box_rows-row boxes of each 64-k half into the ring's next fp16 A buffer,
                 # once the consumers have retired the wgmmas that read its previous contents.
                 a16_state = ring_state(chunk + c, self.num_a16, producer=True)
@@ -1534,8 +1470,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                 for h in cutlass.range_constexpr(2):
                     for j in cutlass.range_constexpr(width // self.box_rows):
                         cute.copy(tma_a, tAgA[(None, m0 // self.box_rows + j, 2 * kc + h)],
-                                  tAsA[(None, j, h, a16_state.index)], tma_bar_ptr=a16_full,
-                                  tma_desc_ptr=desc[Sm90TensorMapSlot.A])
+                                  tAsA[(None, j, h, a16_state.index)], tma_bar_ptr=a16_full, tma_desc_ptr=desc_a)
 
     # -----------------------------------------------------------------------------------------------
     # Transform warpgroup: A fp4 (stage) -> fp16 buffer (the wgmma B operand), one row per thread

@@ -155,6 +155,7 @@ def test_table_marks_failures_and_missing_values():
     (["--moe", "--moe-cases", ","], "--moe-cases: no case named"),
     (["--moe-cases", "dsv3-up-256"], "--moe-cases needs --moe"),
     (["--moe-calls", "5"], "--moe-calls needs --moe"),
+    (["--moe-profile"], "--moe-profile needs --moe"),
     (["--moe", "--moe-calls", "0"], "--moe-calls: '0' is not a positive integer"),
     (["--moe", "--repeats", "5"], "--repeats does not apply to --moe"),
     (["--moe", "task.yml"], "a case file does not apply to --moe"),
@@ -195,11 +196,11 @@ class StandIn:
         return out
 
 
-def _run(monkeypatch, capsys, stand_in, patterns=2):
+def _run(monkeypatch, capsys, stand_in, patterns=2, profile=False):
     monkeypatch.setattr(bm, "MOE_CASES", (TINY,))
     monkeypatch.setattr(bm, "median_us", lambda fn, calls: [fn()] and 10.0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stand-in GPU")
-    args = argparse.Namespace(moe_cases=None, moe_calls=3, moe_patterns=patterns)
+    args = argparse.Namespace(moe_cases=None, moe_calls=3, moe_patterns=patterns, moe_profile=profile)
     code = bm.main(args, stand_in, device="cpu")
     out, err = capsys.readouterr()
     return code, out.splitlines(), err
@@ -221,6 +222,15 @@ def test_a_whole_run_prints_the_table_and_counts_compiles(monkeypatch, capsys):
     assert float(cells[14]) <= 1
     assert lines[4].startswith("Stand-in GPU; kernel: submission.custom_kernel (nvidia-cutlass-dsl 4.x")
     assert "[1/1] tiny" in err and "[tiny] re-routed tokens 2/2" in err
+
+
+def test_the_profile_of_a_re_routed_call_goes_to_stderr(monkeypatch, capsys):
+    stand_in = StandIn()
+    code, lines, err = _run(monkeypatch, capsys, stand_in, patterns=1, profile=True)
+    assert code == 0 and lines[0].startswith("| case |")
+    profile = err.split("[tiny] profile of a re-routed call (GPU busy), by cumulative time:\n")[1]
+    assert "cumulative" in profile and "custom_kernel" in profile  # pstats' table, the stand-in's entry in it
+    assert "profile" not in "\n".join(lines)  # the table and its notes are unchanged
 
 
 def test_a_wrong_kernel_fails_the_run_but_prints_the_table(monkeypatch, capsys):
