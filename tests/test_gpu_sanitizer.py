@@ -1,5 +1,5 @@
 """compute-sanitizer's racecheck, synccheck and memcheck on the Hopper kernel, multi-group inputs, every kept
-Hopper variant (tests/sanitize_case.py is the workload; each tool runs it in its own process).
+Hopper variant (tests/sanitize_case.py is the workload; each tool runs it on each variant in a process of its own).
 
 Fails on any reported hazard or error, or on a wrong result. Skipped without an sm_90 GPU, the DSL, or
 compute-sanitizer. memcheck does not count host API errors (`--report-api-errors no`): DSL 4.8's own driver
@@ -37,15 +37,19 @@ TOOLS = {
 
 
 def _variants():
+    if not HAVE_DSL:
+        return []
     import submission_sm90
 
     return [*submission_sm90.SM90_VARIANT_CONFIGS, "two_launch"]
 
 
+# One tool on one variant per test, so that a run can spread them over processes (`pytest -n`, or shards).
+@pytest.mark.parametrize("variant", _variants())
 @pytest.mark.parametrize("tool", list(TOOLS))
-def test_sanitizer_clean(tool):
+def test_sanitizer_clean(tool, variant):
     cmd = [SANITIZER, *TOOLS[tool], "--error-exitcode", "97", sys.executable,
-           str(ROOT / "tests" / "sanitize_case.py"), *_variants()]
+           str(ROOT / "tests" / "sanitize_case.py"), variant]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     log = proc.stdout + proc.stderr
     tail = "\n".join(log.splitlines()[-40:])
@@ -57,6 +61,6 @@ def test_sanitizer_clean(tool):
     summary = re.search(pattern, log)
     assert summary is not None, f"no sanitizer summary (rc {proc.returncode}):\n{tail}"
     # the summary line, for the report (`pytest -rA` or `-s` shows it)
-    print(f"{tool}: " + next(line.strip() for line in log.splitlines() if summary.group(0) in line))
+    print(f"{tool} on {variant}: " + next(line.strip() for line in log.splitlines() if summary.group(0) in line))
     assert all(int(n) == 0 for n in summary.groups()), tail
     assert proc.returncode == 0, tail
