@@ -244,8 +244,7 @@ class Sm90WorkPlan:
             offsets.append(total)
             total += len(tiles)
         offsets.append(total)
-        header = [partials_kb] + offsets
-        header += [0] * (-len(header) % SM90_PART_WORDS)
+        header = sm90_work_header(partials_kb, offsets)
         # the chunks word carries a split part's flag in bit 16 (`SM90_SPLIT_FLAG`): the kernel keeps only
         # that word live across a part's mainloop
         return header + [word | (SM90_SPLIT_FLAG if i == 5 and tile[6] >= 0 else 0)
@@ -256,6 +255,14 @@ class Sm90WorkPlan:
 # chunks word.
 SM90_PART_WORDS = 8
 SM90_SPLIT_FLAG = 1 << 16
+
+
+def sm90_work_header(partials_kb: int, offsets: list) -> list:
+    """The work list's header words: the partial slots' workspace offset in KB, then each CTA's first-part
+    offset and the part count (grid + 1 words), padded to whole SM90_PART_WORDS-word rows (the kernel finds
+    the parts after them: `Sm90BlockScaledGroupedGemmKernel.part_entry`)."""
+    header = [partials_kb, *offsets]
+    return header + [0] * (-len(header) % SM90_PART_WORDS)
 # Split-K: a part of a split tile writes its fp32 partial accumulator to a slot, and the last part to finish
 # reads all of the tile's slots back and stores the tile: cost per part, in cost units per row of A (the
 # write, and its share of the read, of 512 bytes per row of A; a first estimate, for the H200 to settle).
@@ -448,9 +455,7 @@ class Sm90BulkPlan:
 
     def word_tensor(self, partials_kb: int = 0) -> torch.Tensor:
         """Sm90WorkPlan.words() as a CPU int32 tensor (no split parts, so no flag)."""
-        header = torch.zeros(-(-(self.num_ctas + 2) // SM90_PART_WORDS) * SM90_PART_WORDS, dtype=torch.int32)
-        header[0] = partials_kb
-        header[1:self.num_ctas + 2] = self.offsets
+        header = torch.tensor(sm90_work_header(partials_kb, self.offsets.tolist()), dtype=torch.int32)
         return torch.cat([header, self.parts.reshape(-1)])
 
     def words(self, partials_kb: int = 0) -> list:
