@@ -162,6 +162,40 @@ def test_sm90a_auxiliary_kernels_build(tmp_path, part, name, sass_ops):
         assert op in sass, (op, sass[-2000:])
 
 
+_PREFETCH_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import submission
+import submission_sm90
+import dataclasses
+config = dataclasses.replace(submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_narrow"], b_prefetch=int(sys.argv[2]))
+try:
+    submission.compiled_kernel(submission.compile_key(2, "sm_90a", config, "gemm"))
+except Exception as err:  # 4.3.x without a driver: the cubin is written, then loading it fails
+    if "CudaDriverDependencyError" not in repr(err) and "CUDA Driver Dependency" not in str(err):
+        raise
+print("PREFETCH_OK")
+"""
+
+
+# Sm90GemmConfig.b_prefetch: the weights' L2 prefetches are TMA instructions whose predicate rides on the
+# instruction (no branch around them, so no R2UR under a lane predicate), and they cost no local memory.
+@pytest.mark.parametrize("distance", [1, 4])
+def test_sm90a_weight_prefetch_builds(tmp_path, distance):
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP_CUBIN="1",
+               CUTE_DSL_KEEP="cubin", CUTE_DSL_DISABLE_FILE_CACHING="1")
+    proc = subprocess.run([sys.executable, "-c", _PREFETCH_SCRIPT, str(ROOT), str(distance)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert "PREFETCH_OK" in proc.stdout, proc.stderr[-3000:]
+    cubins = sorted(tmp_path.rglob("*Sm90BlockScaledGroupedGemmKernel*.cubin"))
+    assert cubins, list(tmp_path.rglob("*"))
+    sass = subprocess.run([ev.find_cuobjdump(), "-sass", str(cubins[-1])], capture_output=True, text=True).stdout
+    assert "UTMAPF.L2.2D" in sass, sass[-2000:]
+    assert not re.search(r"@!?P[0-6]\s+R2UR\s", sass), "an R2UR under a lane predicate"
+    assert "LDL" not in sass and "STL" not in sass, "local memory"
+    assert "HGMMA" in sass, sass[-2000:]
+
+
 def test_compile_reports_a_bad_case_file(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text("m: [64]; n: [128]; k: 256; g: 1\n")
