@@ -1466,6 +1466,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         sfb = ptrs[g, int(PtrColumn.SFB)]
         rest_k = k_size // 64
         sfa_row = cutlass.Int64((m0 // 128) * rest_k) * 512
+        if cutlass.const_expr(self.config.b_prefetch > 0):
+            prefetch_desc = descriptors.address(g, Sm90TensorMapSlot.B)
         for c in range(chunks):
             kc = k0 + c  # the chunk's position in K
             state = ring_state(chunk + c, self.num_stages, producer=True)
@@ -1477,7 +1479,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             cute.copy(tma_b, tBgB[(None, n_tile, kc)], tBsB[(None, state.index)], tma_bar_ptr=full,
                       tma_desc_ptr=desc_b)
             if cutlass.const_expr(self.config.b_prefetch > 0):
-                self.prefetch_b(descriptors.address(g, Sm90TensorMapSlot.B), n_tile, kc, c, k0 + chunks)
+                self.prefetch_b(prefetch_desc, n_tile, kc, c, k0 + chunks)
             if lane == 0:  # bulk copies are not elected by the DSL
                 sf_off = cutlass.Int64(kc) * 1024
                 sf_stage = smem.sf + state.index * self.sf_stage_bytes
