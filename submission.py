@@ -324,7 +324,7 @@ class Sm100Warp(enum.IntEnum):
 
 SM100_CONFIG = Sm100GemmConfig()
 
-# Blackwell tile table: the rows "persistent" chooses from per problem (choose_sm100_config), all 1-CTA
+# Blackwell tile table: the rows "persistent" chooses from per weight shape (choose_sm100_config), all 1-CTA
 # 128-row MMAs (N = 256 leaves tensor memory for one accumulator). A row sets its tile; its stage counts are
 # derived from the shared-memory budget (Sm100PersistentConfig properties; kernel_resources shows them).
 SM100_TILE_N64 = Sm100PersistentConfig(mma_tiler_mnk=(128, 64, 256))
@@ -334,10 +334,10 @@ SM100_TILE_TABLE = (SM100_TILE_N128, SM100_TILE_N64, SM100_TILE_N256)  # the fir
 
 # The kernels custom_kernel can run, newest design first down to the seed's proven structure (a ladder to
 # walk down on a B200 if a step fails); set_variant() switches, and every variant's kernels and launch
-# metadata stay cached side by side. "persistent" picks its tile-table row per problem (its config here, the
-# default row, is what compile_for builds); "persistent_nN" forces one row; "seed" is one CTA per 128x128
-# tile, one stage, SIMT epilogue. CUTLASS's per-CTA descriptor patching, once a rung here, is retired
-# (docs/B200_DESIGN.md, section 1).
+# metadata stay cached side by side. "persistent" picks its tile-table row on the first call of a weight
+# shape (`KernelBackend.weight_shape_choice`; its config here, the default row, is what compile_for builds);
+# "persistent_nN" forces one row; "seed" is one CTA per 128x128 tile, one stage, SIMT epilogue. CUTLASS's
+# per-CTA descriptor patching, once a rung here, is retired (docs/B200_DESIGN.md, section 1).
 VARIANT_CONFIGS = {
     "persistent": SM100_TILE_N128,
     "persistent_n64": SM100_TILE_N64,
@@ -345,7 +345,7 @@ VARIANT_CONFIGS = {
     "persistent_n256": SM100_TILE_N256,
     "seed": SM100_CONFIG,
 }
-TILE_TABLE_VARIANTS = frozenset({"persistent"})  # variants whose tile comes from the table per problem
+TILE_TABLE_VARIANTS = frozenset({"persistent"})  # variants whose tile comes from the table
 KERNEL_VARIANTS = tuple(VARIANT_CONFIGS)
 
 
@@ -2104,11 +2104,16 @@ class GemmSchedule:
     prepass_counts: tuple = ()  # a prepass launch's ints after the table addresses; () when there is none
 
 
+# Weight shapes whose per-problem config a backend remembers (`KernelBackend.weight_shape_choice`).
+WEIGHT_SHAPE_CHOICES = 256
+
+
 class KernelBackend:
     """One arch's kernels behind the shared host path; each method is one decision the host path leaves to
     the arch. A backend lives in its kernel's file and registers itself (`register_backend`).
 
-      config(sizes, num_sms)       what custom_kernel runs, by the arch's variant setting (tile per problem)
+      config(sizes, num_sms)       what custom_kernel runs, by the arch's variant setting (the tile chosen
+                                   per weight shape: `weight_shape_choice`)
       compile_config(variant)      what compile_for builds by name (None: the arch's default)
       key_config(config)           the config as the compile key holds it: what is baked in
       parts(config)                the compiled kernels a variant launches, "gemm" first
@@ -2121,6 +2126,24 @@ class KernelBackend:
     config_types: tuple = ()  # the config classes it compiles
     variant_configs: dict = {}  # variant name -> config, what compile_for takes
 
+    def __init__(self):
+        self._weight_shape_choices: "OrderedDict[tuple, object]" = OrderedDict()
+
+    def weight_shape_choice(self, sizes, num_sms: int, choose: Callable):
+        """`choose(sizes, num_sms)` (the arch's per-problem choice) on the first call of a weight shape (the
+        group count, each group's N and K) and SM count; later calls of that shape with other M (a MoE
+        layer's routing: other experts empty, other token counts) keep it. Each choice is its own compiled
+        kernel, so a new routing never switches to one not yet built (seconds, in a serving loop); the
+        price is that a shape keeps the choice its first problem got (`set_variant` and
+        `submission_sm90.set_sm90_variant` force one)."""
+        shape = (tuple((n, k) for _, n, k, _ in sizes), num_sms)
+        config = self._weight_shape_choices.get(shape)
+        if config is None:
+            config = self._weight_shape_choices[shape] = choose(sizes, num_sms)
+            if len(self._weight_shape_choices) > WEIGHT_SHAPE_CHOICES:
+                self._weight_shape_choices.popitem(last=False)
+        return config
+
     def key_config(self, config):
         return config
 
@@ -2129,7 +2152,7 @@ class KernelBackend:
 
 
 class Sm100Backend(KernelBackend):
-    """Blackwell (sm_100a): the persistent kernel, its tile chosen per problem, or a variant forced."""
+    """Blackwell (sm_100a): the persistent kernel, its tile chosen per weight shape, or a variant forced."""
 
     arch_prefix = "sm_10"
     config_types = (Sm100GemmConfig, Sm100PersistentConfig)
@@ -2137,7 +2160,7 @@ class Sm100Backend(KernelBackend):
 
     def config(self, sizes, num_sms: int):
         if KERNEL_VARIANT in TILE_TABLE_VARIANTS:
-            return choose_sm100_config(sizes, num_sms)
+            return self.weight_shape_choice(sizes, num_sms, choose_sm100_config)
         return variant_config(KERNEL_VARIANT)
 
     def compile_config(self, variant: Optional[str]):
@@ -2602,7 +2625,8 @@ def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata
 
 def kernel_config(data, device: torch.device):
     """The config custom_kernel runs for this input on this device: its arch backend's choice (the B200 tile
-    per problem or KERNEL_VARIANT's; on Hopper submission_sm90.SM90_VARIANT's), with USE_PDL as set now."""
+    of the weight shape's first problem or KERNEL_VARIANT's; on Hopper submission_sm90.SM90_VARIANT's), with
+    USE_PDL as set now."""
     config = backend_for_arch(_target_arch(device)).config(data[3], _device_sm_count(device.index))
     if getattr(config, "use_pdl", USE_PDL) != USE_PDL:  # set_pdl() since import
         config = dataclasses.replace(config, use_pdl=USE_PDL)

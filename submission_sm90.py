@@ -1762,8 +1762,6 @@ def sm90_gemm_args(raw_args: tuple) -> tuple:
 
 # An H100 SXM / H200: only what choose_sm90_config weighs when compile_for has no sizes; nothing is baked in.
 SM90_COMPILE_SMS = 132
-# Weight shapes whose "sm90_auto" build is remembered (`Sm90Backend.config`).
-SM90_AUTO_CHOICES = 256
 
 
 class Sm90Backend(KernelBackend):
@@ -1773,22 +1771,10 @@ class Sm90Backend(KernelBackend):
     config_types = (Sm90GemmConfig,)
     variant_configs = SM90_VARIANT_CONFIGS
 
-    def __init__(self):
-        # "sm90_auto"'s build per weight shape (G, each group's N and K) and SM count: the first call of a
-        # shape chooses it, later calls with other M (MoE routing: other experts empty) keep it, so a new
-        # pattern never switches to the other build, which would compile (seconds) in a serving loop.
-        self._auto_choice: "OrderedDict[tuple, Sm90GemmConfig]" = OrderedDict()
-
     def config(self, sizes, num_sms: int) -> Sm90GemmConfig:
         if SM90_VARIANT in SM90_VARIANT_CONFIGS:
             return SM90_VARIANT_CONFIGS[SM90_VARIANT]
-        shape = (tuple((n, k) for _, n, k, _ in sizes), num_sms)
-        config = self._auto_choice.get(shape)
-        if config is None:
-            config = self._auto_choice[shape] = choose_sm90_config(sizes, num_sms)
-            if len(self._auto_choice) > SM90_AUTO_CHOICES:
-                self._auto_choice.popitem(last=False)
-        return config
+        return self.weight_shape_choice(sizes, num_sms, choose_sm90_config)
 
     def compile_config(self, variant: Optional[str]) -> Sm90GemmConfig:
         if variant is not None:

@@ -75,7 +75,7 @@ def sm90(request, monkeypatch):
     config = getattr(request, "param", "auto")
     # sm90_auto keeps the build it chose per weight shape: each test chooses afresh, so that a forced choice
     # below is the one that runs (an earlier test's choice for the same shape would win otherwise).
-    monkeypatch.setattr(submission_sm90.BACKEND, "_auto_choice", collections.OrderedDict())
+    monkeypatch.setattr(submission_sm90.BACKEND, "_weight_shape_choices", collections.OrderedDict())
     if config in ("two_launch", "whole_tiles"):  # sm90_a16_mexact with one config field changed
         field = {"two_launch": "a16_fused", "whole_tiles": "split_k"}[config]
         forced = dataclasses.replace(submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], **{field: False})

@@ -758,3 +758,19 @@ def test_the_hopper_backend_loads_from_beside_submission():
     assert submission.backend_of(submission_sm90.SM90_VARIANT_CONFIGS["sm90_tile128"]) is submission_sm90.BACKEND
     with pytest.raises(submission.UnsupportedDeviceError, match="sm_80"):
         submission.backend_for_arch("sm_80")
+
+
+def test_b200_tile_row_is_chosen_once_per_weight_shape(monkeypatch):
+    # "persistent" picks its tile-table row on the first call of a weight shape (G, each N and K) and SM
+    # count and keeps it for other M (a MoE layer's routing): 2 x 1000 rows alone would take 128x256, 0 + 8
+    # rows 128x128, and each row is a kernel of its own (a compile, seconds, in a serving loop). Another
+    # weight shape or SM count chooses afresh; a forced row wins.
+    backend = submission.Sm100Backend()
+    big, small = [(1000, 4096, 7168, 1)] * 2, [(0, 4096, 7168, 1), (8, 4096, 7168, 1)]
+    assert backend.config(big, 148) is submission.SM100_TILE_N256
+    assert backend.config(small, 148) is submission.SM100_TILE_N256  # the weight shape keeps its row ...
+    assert backend.config(small, 132) is submission.choose_sm100_config(small, 132)  # ... per SM count
+    three = small + [(8, 4096, 7168, 1)]  # another group count: chosen afresh
+    assert backend.config(three, 148) is submission.choose_sm100_config(three, 148) is submission.SM100_TILE_N128
+    monkeypatch.setattr(submission, "KERNEL_VARIANT", "persistent_n64")
+    assert backend.config(big, 148) is submission.SM100_TILE_N64
