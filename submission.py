@@ -633,27 +633,27 @@ TABLE_RING_WORDS = 1 << 19
 _table_ring = PinnedTableRing(TABLE_RING_WORDS)
 
 
-def pack_group_metadata(data, device: torch.device, work_words: Optional[torch.Tensor] = None) -> tuple:
-    """The two tables every kernel reads, and after them the GEMM's work list where it has one (`work_words`,
-    int32 on the CPU): (pinned host staging piece, device buffer, pointer table int64 [G, PtrColumn] and size
-    table int32 [G, SizeColumn] as views of the device buffer, the work list's view of it or None). The
+def pack_group_metadata(groups: tuple, device: torch.device, work_words: Optional[torch.Tensor] = None) -> tuple:
+    """The two tables every kernel reads, from `groups` (`launch_metadata_key`'s rows: per group its
+    PtrColumn pointers, then its SizeColumn sizes), and after them the GEMM's work list where it has one
+    (`work_words`, int32 on the CPU): (pinned host staging piece, device buffer, pointer table int64
+    [G, PtrColumn] and size table int32 [G, SizeColumn] as views of the device buffer, the work list's view
+    of it or None). The
     device buffer is not written here: the caller launches `TableUploadKernel`, which copies the piece on
     the kernels' own queue (so a new input set never makes the host wait for queued kernels, as a torch copy
     from pageable memory would), then calls `_table_ring.uploaded()`."""
-    abc, _, sfasfb_r, sizes = data
-    num_groups = len(sizes)
+    num_groups = len(groups)
     ptr_words, words = table_words(num_groups)
     work_len = 0 if work_words is None else work_words.numel()
     if words + ceil_div(work_len, 2) > _table_ring.words:
         # NOTES: a work list too long for the staging ring (over ~130k tiles: a problem that keeps the GPU
         # busy for tens of milliseconds) goes up by an ordinary torch copy, which waits for the device.
-        staging, tables, ptr_table, size_table, _ = pack_group_metadata(data, device)
+        staging, tables, ptr_table, size_table, _ = pack_group_metadata(groups, device)
         return staging, tables, ptr_table, size_table, work_words.to(device)
     staging = _table_ring.take(words + ceil_div(work_len, 2))
-    staging[:num_groups * len(PtrColumn)] = torch.tensor(
-        [(a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa_r.data_ptr(), sfb_r.data_ptr())
-         for (a, b, c), (sfa_r, sfb_r) in zip(abc, sfasfb_r)], dtype=torch.int64).view(-1)
-    staging[ptr_words:words].view(torch.int32)[:] = torch.tensor([tuple(s) for s in sizes], dtype=torch.int32).view(-1)
+    rows = torch.tensor(groups, dtype=torch.int64).view(num_groups, len(PtrColumn) + len(SizeColumn))
+    staging[:num_groups * len(PtrColumn)].view(num_groups, len(PtrColumn))[:] = rows[:, :len(PtrColumn)]
+    staging[ptr_words:words].view(torch.int32).view(num_groups, len(SizeColumn))[:] = rows[:, len(PtrColumn):]
     if work_words is not None:
         staging[words:].view(torch.int32)[:work_len] = work_words
     tables = torch.empty(staging.numel(), dtype=torch.int64, device=device)
@@ -691,9 +691,10 @@ def descriptor_table(workspace_ptr, num_rows, slots: int):
 
 
 def launch_metadata_key(data, tile_mn: tuple = SM100_CONFIG.tile_mn) -> tuple:
-    """Everything the launch metadata (tables, descriptor workspace) is built from: device, every pointer the
-    kernel reads or writes, every problem size and the tile shape (it sets the tile count); not strides,
-    which `can_implement` pins to the sizes. Pure function of tensor metadata; works on CPU tensors."""
+    """Everything the launch metadata (tables, descriptor workspace) is built from: (device, tile shape (it
+    sets the tile count), per group its PtrColumn pointers then its SizeColumn sizes: the rows the tables
+    are packed from); not strides, which `can_implement` pins to the sizes. Pure function of tensor
+    metadata; works on CPU tensors."""
     abc, _, sfasfb_r, sizes = data
     groups = tuple(
         (a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa_r.data_ptr(), sfb_r.data_ptr(), *size)
@@ -732,7 +733,9 @@ def cached_launch_metadata(key: tuple, build: Callable[[], LaunchMetadata]) -> L
     entry = _launch_metadata.get(key)
     if entry is None:
         entry = _launch_metadata[key] = build()
-        held = sum(e.device_bytes for e in _launch_metadata.values())
+        # dict.values, not OrderedDict.values: the latter looks every key up again, and a key (every group's
+        # pointers and sizes) costs microseconds to hash: 64 entries took ~0.3-0.6 ms per miss
+        held = sum(e.device_bytes for e in dict.values(_launch_metadata))
         dropped = []
         while len(_launch_metadata) > LAUNCH_METADATA_CACHE_SIZE or (
                 held > LAUNCH_METADATA_CACHE_BYTES and len(_launch_metadata) > 1):
@@ -2506,6 +2509,35 @@ def _group_spec(size: tuple) -> tuple:
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def _group_signature(size: tuple) -> Optional[tuple]:
+    """What `_group_metadata` reads from a group of size (m, n, k, l) whose tensors are laid out exactly as
+    the task's generator makes them (`_group_spec`'s dtypes, shapes and strides; the plain scales' strides
+    are not read), or None where the size cannot run. Equal metadata is `can_implement`'s fast path: the
+    per-tensor checks, which also accept other strides of length-1 dimensions, run only where it differs."""
+    _, spec = _group_spec(size)
+    if spec is None:
+        return None
+    signature = [True]
+    for dtype, shape, strides in spec:
+        signature += (dtype, shape) if strides is None else (dtype, shape, strides)
+    return tuple(signature)
+
+
+# `isinstance`'s second argument for each of a group's tensors.
+_TENSOR_TYPES = (torch.Tensor,) * len(GROUP_TENSOR_NAMES)
+
+
+def _group_metadata(abc_entry, sfs_entry, sfs_reordered_entry) -> tuple:
+    """One group's tensor metadata in `_group_signature`'s order, led by whether all seven are tensors;
+    raises on entries that are not three, two and two objects with tensor attributes."""
+    (a, b, c), (sfa, sfb), (sfa_r, sfb_r) = abc_entry, sfs_entry, sfs_reordered_entry
+    return (all(map(isinstance, (a, b, c, sfa, sfb, sfa_r, sfb_r), _TENSOR_TYPES)),
+            a.dtype, a.shape, a.stride(), b.dtype, b.shape, b.stride(), c.dtype, c.shape, c.stride(),
+            sfa.dtype, sfa.shape, sfb.dtype, sfb.shape,
+            sfa_r.dtype, sfa_r.shape, sfa_r.stride(), sfb_r.dtype, sfb_r.shape, sfb_r.stride())
+
+
 def _where(i: int, size) -> str:
     return f"group {i} (m, n, k, l) = {tuple(size)}"
 
@@ -2522,6 +2554,12 @@ def _tensor_reason(name: str, t, dtype, shape: tuple, strides: Optional[tuple]) 
             "(dimensions of length 1 excepted)")
 
 
+_FOUR_INTS = (int,) * 4
+# The device type of the tensors the kernels read. tests/host_path.py sets "cpu" to time the host path on CPU
+# tensors, the driver's part stubbed.
+KERNEL_DEVICE_TYPE = "cuda"
+
+
 def check_problem_sizes(problem_sizes) -> tuple:
     """(True, "") if custom_kernel can run groups of these sizes ((m, n, k, l) each), else (False, reason
     naming the group): `can_implement`'s size rules alone, without tensors. Per group a 4-tuple of ints that
@@ -2534,12 +2572,12 @@ def check_problem_sizes(problem_sizes) -> tuple:
     tile_m, tile_n = SM100_CONFIG.tile_mn
     num_tiles = 0
     for i, size in enumerate(problem_sizes):
-        if not (isinstance(size, (tuple, list)) and len(size) == 4 and all(type(v) is int for v in size)):
+        if not (isinstance(size, (tuple, list)) and len(size) == 4 and tuple(map(type, size)) == _FOUR_INTS):
             return False, f"group {i}: problem size {size!r} is not a 4-tuple of ints (m, n, k, l)"
         reason, _ = _group_spec(tuple(size))
         if reason:
             return False, f"{_where(i, size)}: {reason}"
-        num_tiles += ceil_div(size[0], tile_m) * ceil_div(size[1], tile_n)
+        num_tiles += -(-size[0] // tile_m) * -(-size[1] // tile_n)
     if num_tiles >= 2**31:
         return False, f"{num_tiles} output tiles in all: more than one launch grid holds"
     return True, ""
@@ -2572,6 +2610,11 @@ def can_implement(data) -> tuple:
         return False, reason
     for i, size in enumerate(sizes):
         size = tuple(size)
+        try:  # the generator's exact layout (every tensor of a MoE step, every call): one comparison
+            if _group_metadata(abc[i], sfasfb[i], sfasfb_r[i]) == _group_signature(size):
+                continue
+        except (TypeError, ValueError, AttributeError):
+            pass  # not tensors, or entries of another length: the checks below name it
         for part, arity, what in ((abc, 3, "(a, b, c)"), (sfasfb, 2, "(sfa, sfb)"),
                                   (sfasfb_r, 2, "(sfa_reordered, sfb_reordered)")):
             if not (isinstance(part[i], (tuple, list)) and len(part[i]) == arity):
@@ -2588,10 +2631,16 @@ def can_implement(data) -> tuple:
         return True, ""  # every group is empty: nothing is read, written or launched
     first = launched[0]
     device = abc[first][0].device
-    if device.type != "cuda":
+    if device.type != KERNEL_DEVICE_TYPE:
         return False, f"the tensors are on {device}: the kernel needs every tensor it reads on one CUDA device"
     for i in launched:
-        for name, t in zip(KERNEL_TENSOR_NAMES, (*abc[i], *sfasfb_r[i])):
+        (a, b, c), (sfa_r, sfb_r) = abc[i], sfasfb_r[i]
+        if (a.device == device and b.device == device and c.device == device and sfa_r.device == device
+                and sfb_r.device == device
+                and not (a.data_ptr() | b.data_ptr() | c.data_ptr() | sfa_r.data_ptr() | sfb_r.data_ptr())
+                % GMEM_ALIGN_BYTES):
+            continue
+        for name, t in zip(KERNEL_TENSOR_NAMES, (a, b, c, sfa_r, sfb_r)):
             if t.device != device:
                 return False, (f"{_where(i, sizes[i])}: {name} is on {t.device}, group {first}'s a is on {device}; "
                                "the kernel needs every tensor it reads on one CUDA device")
@@ -2604,9 +2653,9 @@ def can_implement(data) -> tuple:
 # ---------------------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------------------
-def _build_launch_metadata(data, device: torch.device, config) -> LaunchMetadata:
+def _build_launch_metadata(data, device: torch.device, config, groups: tuple) -> LaunchMetadata:
     schedule = backend_of(config).schedule(config, data[3], device, _device_sm_count(device.index))
-    staging, table_buffer, ptr_table, size_table, work_list = pack_group_metadata(data, device, schedule.work_words)
+    staging, table_buffer, ptr_table, size_table, work_list = pack_group_metadata(groups, device, schedule.work_words)
     workspace = aligned_device_buffer(schedule.workspace_bytes, TENSORMAP_BYTES, device)
     tables = (ptr_table.data_ptr(), size_table.data_ptr(), workspace.data_ptr())
     # The tables (and the work list) reach the device on the kernels' own queue, ahead of every kernel that
@@ -2637,16 +2686,16 @@ def launch_metadata(data, device: torch.device, config=None) -> LaunchMetadata:
     """The launch metadata of `config` (default: kernel_config) for these pointers and sizes, built (and
     its descriptors prepared, where the kernel prepares them up front) on a cache miss."""
     config = config or kernel_config(data, device)
+    key = (config, launch_metadata_key(data, config.tile_mn))
 
     def build():
-        metadata = _build_launch_metadata(data, device, config)
+        metadata = _build_launch_metadata(data, device, config, key[1][2])
         if "tensormaps" in kernel_parts(config):
             # Queued ahead of every GEMM that will use this workspace; it completes before they start.
             prepare = compiled_kernel(compile_key(len(data[3]), _target_arch(device), config, "tensormaps"))
             make_launcher(prepare, metadata.table_args)()
         return metadata
 
-    key = (config, launch_metadata_key(data, config.tile_mn))
     return cached_launch_metadata(key, build)
 
 

@@ -1800,13 +1800,13 @@ class Sm90Backend(KernelBackend):
         return cute.compile(kernel, *sm90_gemm_args((0, 0, 0, 0, 1, 1)), **options)
 
     def schedule(self, config: Sm90GemmConfig, problem_sizes, device, num_sms: int) -> GemmSchedule:
-        num_tiles, work_words = num_output_tiles(problem_sizes, config.tile_mn), None
         if config.m_exact:
             sizes = tuple(map(tuple, problem_sizes))
             plan = plan_sm90_work(sizes, num_sms, config.widths, config.split_k)
             num_tiles, num_ctas = plan.num_tiles, plan.num_ctas
             work_words = sm90_work_words(sizes, num_sms, config.widths, config.split_k)
         else:
+            num_tiles, work_words = num_output_tiles(problem_sizes, config.tile_mn), None
             plan, num_ctas = None, min(num_tiles, num_sms)
         prepass = ()
         if "convert" in self.parts(config):

@@ -424,6 +424,11 @@ def test_pinned_table_ring_keeps_pieces_whose_wait_failed(monkeypatch):
     assert int(ring.take(14)[0]) == 0 and ring.pending[0][0] == 14
 
 
+def _groups(data) -> tuple:
+    """The launch-metadata key's rows (per group its pointers, then its sizes), which the tables are packed from."""
+    return submission.launch_metadata_key(data)[2]
+
+
 def test_launch_metadata_records_the_upload_of_its_staging_piece(monkeypatch):
     # _build_launch_metadata launches the upload, then records the piece's event: nothing in between.
     data = _data()
@@ -441,7 +446,7 @@ def test_launch_metadata_records_the_upload_of_its_staging_piece(monkeypatch):
 
     monkeypatch.setattr(submission, "make_launcher", make_launcher)
     config = submission_sm90.choose_sm90_config(data[3], 132)
-    submission._build_launch_metadata(data, torch.device("cpu"), config)
+    submission._build_launch_metadata(data, torch.device("cpu"), config, _groups(data))
     assert calls == [("upload", [])]  # the upload launched before any record
     assert log == [("new", 0), ("record", 0)]
     assert ring.pending[-1][1].id == 0
@@ -471,7 +476,7 @@ def test_the_hopper_work_list_goes_up_with_the_tables(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "to", to_no_device)
     config = submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_mexact"]
-    metadata = submission._build_launch_metadata(data, torch.device("cpu"), config)
+    metadata = submission._build_launch_metadata(data, torch.device("cpu"), config, _groups(data))
     sizes = tuple(map(tuple, data[3]))
     words = submission_sm90.sm90_work_words(sizes, 132, config.widths, config.split_k)
     plan = submission_sm90.plan_sm90_work(sizes, 132, config.widths, config.split_k)
@@ -481,6 +486,11 @@ def test_the_hopper_work_list_goes_up_with_the_tables(monkeypatch):
     staging = ring.buffer[:count]
     assert staging_address == staging.data_ptr() and buffer_address == metadata.tables.data_ptr()
     assert torch.equal(staging[table_words:].view(torch.int32)[:words.numel()], words)
+    # the tables themselves: each group's pointers (a, b, c and the blocked scales), then its (m, n, k, l)
+    pointers = [[t.data_ptr() for t in (*abc, *sfs_r)] for abc, sfs_r in zip(data[0], data[2])]
+    assert staging[:len(sizes) * len(submission.PtrColumn)].view(len(sizes), -1).tolist() == pointers
+    ptr_words, _ = submission.table_words(len(sizes))
+    assert staging[ptr_words:table_words].view(torch.int32).view(len(sizes), -1).tolist() == list(map(list, sizes))
     assert metadata.work_list.data_ptr() == buffer_address + 8 * table_words
     assert metadata.launch_args[3:] == (metadata.work_list.data_ptr(), plan.num_tiles, plan.num_ctas)
     # a work list longer than the staging ring takes an ordinary copy (the tables still go by the ring)
@@ -488,13 +498,14 @@ def test_the_hopper_work_list_goes_up_with_the_tables(monkeypatch):
     monkeypatch.setattr(submission, "_table_ring", small)
     monkeypatch.setattr(torch.Tensor, "to", to)
     uploads.clear()
-    long = submission._build_launch_metadata(data, torch.device("cpu"), config)
+    long = submission._build_launch_metadata(data, torch.device("cpu"), config, _groups(data))
     assert uploads[0][2] == table_words and torch.equal(long.work_list, words)
     assert long.launch_args[3] == long.work_list.data_ptr()
     monkeypatch.setattr(submission, "_table_ring", ring)
     # the 128-row build reads no work list: address 0, nothing staged after the tables
     uploads.clear()
-    tile128 = submission._build_launch_metadata(data, torch.device("cpu"), submission_sm90.SM90_VARIANT_CONFIGS["sm90_tile128"])
+    tile128 = submission._build_launch_metadata(data, torch.device("cpu"), submission_sm90.SM90_VARIANT_CONFIGS["sm90_tile128"],
+                                             _groups(data))
     assert uploads[0][2] == table_words and tile128.work_list is None and tile128.launch_args[3] == 0
 
 

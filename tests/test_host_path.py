@@ -1,0 +1,67 @@
+"""The shared host path end to end on the CPU: custom_kernel on CPU tensors with the driver stood in for
+(tests/host_path.py): the real constraint check, config choice, plan, launch-metadata cache and staged
+tables, on both arches' host paths."""
+import bench_moe
+import pytest
+import submission
+import submission_sm90
+import torch
+
+import host_path
+
+# Two routings of one weight shape (G = 2) whose own best configs differ: on sm_100a the tile table's 128x256
+# row for 2 x 1000 rows, 128x128 for 0 + 8 rows; on sm_90a the wide M-exact build, then the narrow one
+# (under SM90_NARROW_MEAN_ROWS rows per non-empty expert).
+CASE = bench_moe.MoeCase("test", "test", n=4096, k=7168, experts=2, tokens=1)
+ROUTINGS = ([1000, 1000], [0, 8], [8, 0], [3, 5])
+
+
+def _own_choice(arch: str, sizes: list):
+    if arch == "sm_100a":
+        return submission.choose_sm100_config(sizes, 148)
+    return submission_sm90.choose_sm90_config(sizes, 132)
+
+
+def _check_staged(data, metadata, config, arch):
+    """The launch's tables (copied from the staging ring by the upload's stand-in) hold every group's
+    pointers and sizes; on Hopper the work list after them is the plan's."""
+    groups = len(data[3])
+    ptr_words, table_words = submission.table_words(groups)
+    tables = metadata.tables
+    pointers = [[t.data_ptr() for t in (*abc, *sfs_r)] for abc, sfs_r in zip(data[0], data[2])]
+    assert tables[:groups * len(submission.PtrColumn)].view(groups, -1).tolist() == pointers
+    assert tables[ptr_words:table_words].view(torch.int32).view(groups, -1).tolist() == list(map(list, data[3]))
+    if arch == "sm_90a":
+        words = submission_sm90.sm90_work_words(tuple(data[3]), 132, config.widths, config.split_k)
+        assert torch.equal(metadata.work_list, words)
+        assert metadata.work_list.data_ptr() == tables.data_ptr() + 8 * table_words
+
+
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_90a"])
+def test_a_new_routing_keeps_the_weight_shapes_kernel_and_stages_its_tables(arch):
+    # The first call of a weight shape chooses its config; routings after it (other experts empty, other
+    # token counts) keep that config even where their own choice differs, so they compile nothing: in a
+    # serving loop a new choice would compile for seconds. Each call's tables and work list are its own.
+    own = [_own_choice(arch, [(m, CASE.n, CASE.k, 1) for m in ms]) for ms in ROUTINGS]
+    assert own[1] != own[0]  # the test's premise: the second routing alone would choose another kernel
+    num_sms = 148 if arch == "sm_100a" else 132
+    with host_path.stubbed_driver(arch, num_sms) as compiled:
+        weights = host_path.expert_weights(CASE)
+        for i, ms in enumerate(ROUTINGS):
+            data = host_path.expert_input(CASE, weights, ms)
+            outputs = submission.custom_kernel(data)
+            assert len(outputs) == 2 and all(out is c for out, (_, _, c) in zip(outputs, data[0]))
+            if i == 0:
+                first = set(compiled)
+                assert any(key[4] == own[0] for key in first)  # the GEMM of the first routing's own choice
+            assert compiled == first, f"routing {ms} asked for another kernel"
+            metadata = next(reversed(submission._launch_metadata.values()))
+            config = submission.kernel_config(data, torch.device("cpu"))
+            assert submission.backend_of(config).key_config(config) == submission.backend_of(own[0]).key_config(own[0])
+            _check_staged(data, metadata, config, arch)
+
+
+def test_the_host_path_timing_runs(capsys):
+    assert host_path.main(["--cases", "qwen3-down-512", "--calls", "2", "--arch", "sm_90a"]) == 0
+    out = capsys.readouterr().out
+    assert "| qwen3-down-512 | 128 (" in out and "3 kernels asked for in all" in out
