@@ -2710,10 +2710,15 @@ class _PreparedCall:
     launch: Callable[[], object]  # make_launcher(compiled kernel, metadata.launch_args); _launch_nothing
     metadata: Optional[LaunchMetadata]  # None when every group is empty
     outputs: tuple  # every group's C, empty ones included; a new list of them is returned each call
+    held_bytes: int = 0  # bytes of the A, SFA and C tensors it keeps alive (from the sizes)
 
 
-# The benchmark times 15 input sets per shape; 16 entries hold them and drop the untimed check copies.
+# The benchmark times 15 input sets per shape; 16 entries hold them and drop the untimed check copies. An
+# entry keeps its call's tensors alive, and in a serving loop no input is seen twice, so the entries would
+# hold that many steps of activations (a 4096-token prefill step of DeepSeek-V3 gate/up: 268 MB of C each):
+# past PREPARED_CALL_CACHE_BYTES of A, SFA and C held the oldest go (the newest stays, whatever its size).
 PREPARED_CALL_CACHE_SIZE = 16
+PREPARED_CALL_CACHE_BYTES = 1 << 30
 _prepared_calls: dict = {}
 
 
@@ -2776,13 +2781,18 @@ def _prepare_call(data) -> _PreparedCall:
         kernel = compiled_gemm(len(sizes), _target_arch(device), config)
         metadata = launch_metadata(data, device, config)
         launch = make_call_launcher(len(sizes), _target_arch(device), config, kernel, metadata)
+    held = sum(m * (k // 2 + k // 16 + 2 * n) for m, n, k, _ in sizes)
     entry = _PreparedCall(lists=(abc, sfr, sizes), items=(tuple(abc), tuple(sfr), tuple(sizes)),
-                          launch=launch, metadata=metadata, outputs=tuple(c for _, _, c in abc))
+                          launch=launch, metadata=metadata, outputs=tuple(c for _, _, c in abc), held_bytes=held)
     # Only immutable items make identity a proof of equal contents.
     if type(data) is tuple and all(type(x) is tuple for part in entry.items for x in part):
-        if len(_prepared_calls) >= PREPARED_CALL_CACHE_SIZE:
-            del _prepared_calls[next(iter(_prepared_calls))]
-        _prepared_calls[(KERNEL_VARIANT, LAUNCH_PATH, USE_PDL, id(data))] = entry
+        key = (KERNEL_VARIANT, LAUNCH_PATH, USE_PDL, id(data))
+        _prepared_calls.pop(key, None)  # (an entry of a dead input whose id this one took): re-inserted last
+        _prepared_calls[key] = entry
+        held = sum(e.held_bytes for e in _prepared_calls.values())
+        while len(_prepared_calls) > PREPARED_CALL_CACHE_SIZE or (
+                held > PREPARED_CALL_CACHE_BYTES and len(_prepared_calls) > 1):
+            held -= _prepared_calls.pop(next(iter(_prepared_calls))).held_bytes
     return entry
 
 

@@ -65,3 +65,36 @@ def test_the_host_path_timing_runs(capsys):
     assert host_path.main(["--cases", "qwen3-down-512", "--calls", "2", "--arch", "sm_90a"]) == 0
     out = capsys.readouterr().out
     assert "| qwen3-down-512 | 128 (" in out and "3 kernels asked for in all" in out
+
+
+def test_prepared_calls_hold_a_bounded_number_of_bytes(monkeypatch):
+    # In a serving loop no input is seen twice, so the prepared calls (kept for the benchmark's repeated
+    # inputs) would keep the last 16 steps' tensors alive: past PREPARED_CALL_CACHE_BYTES of A, SFA and C
+    # the oldest go, and their tensors with them; the newest stays whatever its size. A repeated input still
+    # takes the prepared call.
+    import gc
+    import weakref
+
+    case = bench_moe.MoeCase("small", "test", n=256, k=512, experts=4, tokens=1)
+    ms = [8, 8, 0, 16]
+    step = sum(m * (case.k // 2 + case.k // 16 + 2 * case.n) for m in ms)
+    monkeypatch.setattr(submission, "PREPARED_CALL_CACHE_BYTES", int(2.5 * step))
+    with host_path.stubbed_driver("sm_90a", 132):
+        weights = host_path.expert_weights(case)
+        first = host_path.expert_input(case, weights, ms)
+        submission.custom_kernel(first)
+        first_c = weakref.ref(first[0][0][2])
+        assert submission._prepared_call(first) is not None
+        kept = []
+        for _ in range(4):
+            kept.append(host_path.expert_input(case, weights, ms))
+            submission.custom_kernel(kept[-1])
+        assert len(submission._prepared_calls) == 2
+        assert [e.lists[0] for e in submission._prepared_calls.values()] == [kept[-2][0], kept[-1][0]]
+        assert submission._prepared_call(kept[-1]) is not None and submission._prepared_call(kept[0]) is None
+        del first
+        gc.collect()
+        assert first_c() is None  # its entry is gone, and with it the last reference to its C
+        monkeypatch.setattr(submission, "PREPARED_CALL_CACHE_BYTES", step // 2)
+        submission.custom_kernel(kept[0])
+        assert len(submission._prepared_calls) == 1  # over the bound on its own: the newest stays
