@@ -638,10 +638,9 @@ def pack_group_metadata(groups: tuple, device: torch.device, work_words: Optiona
     PtrColumn pointers, then its SizeColumn sizes), and after them the GEMM's work list where it has one
     (`work_words`, int32 on the CPU): (pinned host staging piece, device buffer, pointer table int64
     [G, PtrColumn] and size table int32 [G, SizeColumn] as views of the device buffer, the work list's view
-    of it or None). The
-    device buffer is not written here: the caller launches `TableUploadKernel`, which copies the piece on
-    the kernels' own queue (so a new input set never makes the host wait for queued kernels, as a torch copy
-    from pageable memory would), then calls `_table_ring.uploaded()`."""
+    of it or None). The device buffer is not written here: the caller launches `TableUploadKernel`, which
+    copies the piece on the kernels' own queue (so a new input set never makes the host wait for queued
+    kernels, as a torch copy from pageable memory would), then calls `_table_ring.uploaded()`."""
     num_groups = len(groups)
     ptr_words, words = table_words(num_groups)
     work_len = 0 if work_words is None else work_words.numel()

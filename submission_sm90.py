@@ -36,7 +36,7 @@ import dataclasses
 import enum
 import functools
 import heapq
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from typing import Optional
 
 import torch

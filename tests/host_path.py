@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sms", type=int, default=None, help="SM count (default: 132 on sm_90a, 148 on sm_100a)")
     args = parser.parse_args(argv)
     num_sms = args.sms or (132 if args.arch == "sm_90a" else 148)
-    print(f"| case | experts (empty, last call) | host ms per re-routed call, median | min |")
+    print("| case | experts (empty, last call) | host ms per re-routed call, median | min |")
     print("|---|---|---|---|")
     with stubbed_driver(args.arch, num_sms) as compiled:
         for case in bench_moe.select_cases(args.cases):
