@@ -401,7 +401,7 @@ def sm100_predicted_us(problem_sizes, config: Sm100TileConfig, num_sms: int) -> 
     for m, n, k, _ in problem_sizes:
         costs += [ceil_div(k, tile_k) * step_us] * (ceil_div(m, tile_m) * ceil_div(n, tile_n))
     grid = min(len(costs), num_sms)
-    busiest = max(sum(costs[cta::grid]) for cta in range(grid))
+    busiest = max((sum(costs[cta::grid]) for cta in range(grid)), default=0.0)  # every group empty: no tile
     dram_bytes = sum((m + n) * k // 2 + (m + n) * k // config.sf_vec_size + 2 * m * n for m, n, k, _ in problem_sizes)
     return max(busiest, dram_bytes / SM100_DRAM_BYTES_PER_S * 1e6) + SM100_FIXED_US
 

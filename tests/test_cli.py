@@ -511,6 +511,14 @@ def test_compile_reads_the_lists_a_task_file_has(tmp_path, capsys, fake_builds, 
     assert "no 'tests' or 'benchmarks' list" in line, line
 
 
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_90a"])
+def test_compile_takes_a_case_whose_groups_are_all_empty(tmp_path, capsys, fake_builds, arch):
+    # custom_kernel launches nothing for it; the B200 tile model had no tile to weigh and raised ValueError
+    path = tmp_path / "cases.yml"
+    path.write_text('tests:\n  - {"m": [0, 0], "n": [128, 256], "k": [256, 512], "g": 2, "seed": 1}\n')
+    assert ev.compile_main(["--arch", arch, str(path)]) == 0, capsys.readouterr()
+
+
 @pytest.mark.parametrize("mode", ev.RUN_MODES)
 def test_mode_help_is_the_mode_s_usage_and_options(mode):
     proc = run("eval.py", mode, "--help")

@@ -216,6 +216,14 @@ def test_tile_table_widens_n_over_full_waves_only_when_n_allows():
     assert submission.choose_sm100_config(odd, 148).tile_mn != (128, 256)
 
 
+def test_tile_table_takes_the_default_row_when_every_group_is_empty():
+    # Nothing runs (custom_kernel launches nothing), but `eval.py compile` asks what a case file's all-empty
+    # case would run: the default row, not a crash in the model (it had no tile to take the busiest CTA of).
+    empty = [(0, 128, 256, 1), (0, 256, 512, 1)]
+    assert submission.sm100_predicted_us(empty, submission.SM100_TILE_N128, 148) >= submission.SM100_FIXED_US
+    assert submission.choose_sm100_config(empty, 148) is submission.SM100_TILE_TABLE[0]
+
+
 def test_predicted_time_follows_the_work():
     row, fixed = submission.SM100_TILE_N128, submission.SM100_FIXED_US
     # Square enough that the K steps, not DRAM, bound it in the model: 144 tiles (one round), then 288 (two).
