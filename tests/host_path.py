@@ -107,9 +107,13 @@ def expert_weights(case: bench_moe.MoeCase) -> list:
     return [tuple(_view(storage, *spec[i]) for i in (1, 4, 6)) for _ in range(case.experts)]
 
 
+def _strides(shape: tuple, strides) -> tuple:
+    """`_group_spec`'s strides, or a contiguous tensor's where it gives none (the plain scales)."""
+    return strides or torch.empty(shape, device="meta").stride()
+
+
 def _view(storage: torch.Tensor, dtype, shape: tuple, strides) -> torch.Tensor:
-    strides = strides or torch.empty(shape, device="meta").stride()
-    return torch.as_strided(storage.view(dtype), shape, strides)
+    return torch.as_strided(storage.view(dtype), shape, _strides(shape, strides))
 
 
 def routed_input(case: bench_moe.MoeCase, weights: list, seed: int):
@@ -123,8 +127,7 @@ def expert_input(case: bench_moe.MoeCase, weights: list, ms: list):
     abc, sfs, sfs_reordered, sizes = [], [], [], []
     for m, (b, sfb, sfb_r) in zip(ms, weights):
         _, spec = submission._group_spec((m, case.n, case.k, 1))
-        a, c, sfa, sfa_r = (torch.empty_strided(shape, strides or torch.empty(shape, device="meta").stride(),
-                                                dtype=dtype)
+        a, c, sfa, sfa_r = (torch.empty_strided(shape, _strides(shape, strides), dtype=dtype)
                             for dtype, shape, strides in (spec[0], spec[2], spec[3], spec[5]))
         abc.append((a, b, c))
         sfs.append((sfa, sfb))
