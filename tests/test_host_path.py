@@ -98,3 +98,47 @@ def test_prepared_calls_hold_a_bounded_number_of_bytes(monkeypatch):
         monkeypatch.setattr(submission, "PREPARED_CALL_CACHE_BYTES", step // 2)
         submission.custom_kernel(kept[0])
         assert len(submission._prepared_calls) == 1  # over the bound on its own: the newest stays
+
+
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_90a"])
+def test_random_routings_stage_their_own_tables_and_compile_once_per_weight_shape(arch):
+    # Seeded random inputs through the whole host path: 1-256 groups, several weight shapes, routings with
+    # every group empty, one group alone, the first and last empty, skewed sizes near every tile width; the
+    # task's lists as well as tuples. Each call returns its C tensors and stages its own pointers, sizes and
+    # (Hopper) work list; after a weight shape's first call, no routing of it asks for another kernel.
+    import random
+
+    rng = random.Random(7)
+    shapes = [(128, 256), (256, 512), (4096, 7168), (7168, 2048), (1536, 2048), (2048, 768), (384, 1024)]
+    rows = [0, 0, 1, 7, 16, 17, 63, 64, 65, 128, 129, 192, 193]
+    num_sms = 148 if arch == "sm_100a" else 132
+    with host_path.stubbed_driver(arch, num_sms) as compiled:
+        for _ in range(20):
+            groups = rng.choice([1, 2, 3, 8, 64, 256])
+            n, k = rng.choice(shapes[:2] if groups > 64 else shapes)
+            case = bench_moe.MoeCase("random", "test", n=n, k=k, experts=groups, tokens=1)
+            weights = host_path.expert_weights(case)
+            first = None
+            for _ in range(3):
+                ms = [rng.choice(rows) for _ in range(groups)]
+                pattern = rng.choice(["random", "one", "ends_empty", "all_empty", "large"])
+                if pattern == "one":
+                    ms = [0] * groups
+                    ms[rng.randrange(groups)] = rng.choice([1, 40, 300])
+                elif pattern == "ends_empty":
+                    ms[0] = ms[-1] = 0
+                elif pattern == "all_empty":
+                    ms = [0] * groups
+                elif pattern == "large" and groups <= 8:
+                    ms = [rng.choice([500, 1000, 2000]) for _ in range(groups)]
+                data = host_path.expert_input(case, weights, ms)
+                if rng.random() < 0.3:
+                    data = tuple(list(part) for part in data)
+                outputs = submission.custom_kernel(data)
+                assert len(outputs) == groups and all(out is c for out, (_, _, c) in zip(outputs, data[0]))
+                if not any(ms):
+                    continue  # nothing launched, nothing staged
+                metadata = next(reversed(submission._launch_metadata.values()))
+                _check_staged(data, metadata, submission.kernel_config(data, torch.device("cpu")), arch)
+                first = set(compiled) if first is None else first
+                assert compiled == first, (groups, n, k, ms)
