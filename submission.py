@@ -64,7 +64,7 @@ import importlib.util
 import os
 import sys
 from collections import OrderedDict, deque
-from operator import is_
+from operator import attrgetter, is_
 from typing import Callable, Optional
 
 import torch
@@ -727,20 +727,28 @@ LAUNCH_METADATA_CACHE_BYTES = 2 << 30
 _launch_metadata: "OrderedDict[tuple, LaunchMetadata]" = OrderedDict()
 
 
+def drop_oldest(cache: dict, max_entries: int, max_bytes: int, nbytes: Callable[[object], int]) -> list:
+    """Drops `cache`'s oldest entries (its iteration order first) while it holds more than `max_entries`, or
+    more than `max_bytes` by `nbytes` of its entries and more than one (the newest stays, whatever its size);
+    returns the dropped entries. The bytes are summed over dict.values: an OrderedDict's own view looks every
+    key up again, and a launch-metadata key (every group's pointers and sizes) costs microseconds to hash
+    (64 entries took ~0.3-0.6 ms per miss)."""
+    held = sum(map(nbytes, dict.values(cache)))
+    dropped = []
+    while len(cache) > max_entries or (held > max_bytes and len(cache) > 1):
+        old = cache.pop(next(iter(cache)))
+        held -= nbytes(old)
+        dropped.append(old)
+    return dropped
+
+
 def cached_launch_metadata(key: tuple, build: Callable[[], LaunchMetadata]) -> LaunchMetadata:
     """The entry for `key`, built on a miss; least recently used entries are dropped past the bounds."""
     entry = _launch_metadata.get(key)
     if entry is None:
         entry = _launch_metadata[key] = build()
-        # dict.values, not OrderedDict.values: the latter looks every key up again, and a key (every group's
-        # pointers and sizes) costs microseconds to hash: 64 entries took ~0.3-0.6 ms per miss
-        held = sum(e.device_bytes for e in dict.values(_launch_metadata))
-        dropped = []
-        while len(_launch_metadata) > LAUNCH_METADATA_CACHE_SIZE or (
-                held > LAUNCH_METADATA_CACHE_BYTES and len(_launch_metadata) > 1):
-            _, old = _launch_metadata.popitem(last=False)
-            held -= old.device_bytes
-            dropped.append(old)
+        dropped = drop_oldest(_launch_metadata, LAUNCH_METADATA_CACHE_SIZE, LAUNCH_METADATA_CACHE_BYTES,
+                              attrgetter("device_bytes"))
         if dropped:
             _forget_prepared_calls_of(dropped)
     else:
@@ -2788,10 +2796,7 @@ def _prepare_call(data) -> _PreparedCall:
         key = (KERNEL_VARIANT, LAUNCH_PATH, USE_PDL, id(data))
         _prepared_calls.pop(key, None)  # (an entry of a dead input whose id this one took): re-inserted last
         _prepared_calls[key] = entry
-        held = sum(e.held_bytes for e in _prepared_calls.values())
-        while len(_prepared_calls) > PREPARED_CALL_CACHE_SIZE or (
-                held > PREPARED_CALL_CACHE_BYTES and len(_prepared_calls) > 1):
-            held -= _prepared_calls.pop(next(iter(_prepared_calls))).held_bytes
+        drop_oldest(_prepared_calls, PREPARED_CALL_CACHE_SIZE, PREPARED_CALL_CACHE_BYTES, attrgetter("held_bytes"))
     return entry
 
 
