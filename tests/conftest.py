@@ -77,6 +77,20 @@ def sum_abs_products_f64(data) -> list[torch.Tensor]:
             for (a, b, _), (sfa, sfb) in zip(abc, sfs)]
 
 
+def check_table_rows(table_buffer: torch.Tensor, data) -> None:
+    """`table_buffer` (int64 words: the staging piece or the device tables) starts with every group's pointers
+    (a, b, c and the blocked scales, read from the tensors), then, after the pointer table's padding, its
+    (m, n, k, l) as int32."""
+    import submission
+
+    groups = len(data[3])
+    ptr_words, table_words = submission.table_words(groups)
+    pointers = [[t.data_ptr() for t in (*abc, *sfs_r)] for abc, sfs_r in zip(data[0], data[2])]
+    assert table_buffer[:groups * len(submission.PtrColumn)].view(groups, -1).tolist() == pointers
+    sizes = table_buffer[ptr_words:table_words].view(torch.int32).view(groups, -1).tolist()
+    assert sizes == [list(size) for size in data[3]]
+
+
 def load_task_yml() -> dict:
     import yaml
 

@@ -25,6 +25,7 @@ import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -55,11 +56,16 @@ def _launcher(kernel, raw_args, to_dsl=None):
     return lambda: None
 
 
+# The SM count each arch's host path plans for by default: an H100 SXM / H200, a B200.
+SMS = {"sm_90a": 132, "sm_100a": 148}
+
+
 @contextlib.contextmanager
-def stubbed_driver(arch: str = "sm_90a", num_sms: int = 132):
-    """custom_kernel on CPU tensors as on a GPU of `arch` with `num_sms` SMs, the driver's part stood in for
-    (module docstring). Yields the set of compile keys asked for (each would be a compile on a GPU). The
+def stubbed_driver(arch: str = "sm_90a", num_sms: Optional[int] = None):
+    """custom_kernel on CPU tensors as on a GPU of `arch` with `num_sms` SMs (default: `SMS`), the driver's
+    part stood in for (module docstring). Yields the set of compile keys asked for (each would be a compile on a GPU). The
     module's caches and the arch backend's remembered choices start empty and are restored afterwards."""
+    num_sms = num_sms or SMS[arch]
     ring = submission.PinnedTableRing(submission.TABLE_RING_WORDS, new_event=_NoEvent)
     ring.buffer = torch.empty(ring.words, dtype=torch.int64)  # not pinned: no CUDA here
     workspace = torch.empty(1 << 16, dtype=torch.int64)
@@ -157,10 +163,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="dsv3-up-256,dsv3-up-64,dsv3-down-256,qwen3-up-512,qwen3-down-512")
     parser.add_argument("--calls", type=int, default=25)
-    parser.add_argument("--arch", default="sm_90a", choices=("sm_90a", "sm_100a"))
+    parser.add_argument("--arch", default="sm_90a", choices=tuple(SMS))
     parser.add_argument("--sms", type=int, default=None, help="SM count (default: 132 on sm_90a, 148 on sm_100a)")
     args = parser.parse_args(argv)
-    num_sms = args.sms or (132 if args.arch == "sm_90a" else 148)
+    num_sms = args.sms or SMS[args.arch]
     print("| case | experts (empty, last call) | host ms per re-routed call, median | min |")
     print("|---|---|---|---|")
     with stubbed_driver(args.arch, num_sms) as compiled:

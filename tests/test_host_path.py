@@ -8,6 +8,7 @@ import submission_sm90
 import torch
 
 import host_path
+from conftest import check_table_rows
 
 # Two routings of one weight shape (G = 2) whose own best configs differ: on sm_100a the tile table's 128x256
 # row for 2 x 1000 rows, 128x128 for 0 + 8 rows; on sm_90a the wide M-exact build, then the narrow one
@@ -17,24 +18,20 @@ ROUTINGS = ([1000, 1000], [0, 8], [8, 0], [3, 5])
 
 
 def _own_choice(arch: str, sizes: list):
-    if arch == "sm_100a":
-        return submission.choose_sm100_config(sizes, 148)
-    return submission_sm90.choose_sm90_config(sizes, 132)
+    choose = submission.choose_sm100_config if arch == "sm_100a" else submission_sm90.choose_sm90_config
+    return choose(sizes, host_path.SMS[arch])
 
 
 def _check_staged(data, metadata, config, arch):
     """The launch's tables (copied from the staging ring by the upload's stand-in) hold every group's
     pointers and sizes; on Hopper the work list after them is the plan's."""
-    groups = len(data[3])
-    ptr_words, table_words = submission.table_words(groups)
-    tables = metadata.tables
-    pointers = [[t.data_ptr() for t in (*abc, *sfs_r)] for abc, sfs_r in zip(data[0], data[2])]
-    assert tables[:groups * len(submission.PtrColumn)].view(groups, -1).tolist() == pointers
-    assert tables[ptr_words:table_words].view(torch.int32).view(groups, -1).tolist() == list(map(list, data[3]))
+    check_table_rows(metadata.tables, data)
     if arch == "sm_90a":
-        words = submission_sm90.sm90_work_words(tuple(data[3]), 132, config.widths, config.split_k)
+        words = submission_sm90.sm90_work_words(tuple(data[3]), host_path.SMS["sm_90a"], config.widths,
+                                                config.split_k)
         assert torch.equal(metadata.work_list, words)
-        assert metadata.work_list.data_ptr() == tables.data_ptr() + 8 * table_words
+        _, table_words = submission.table_words(len(data[3]))
+        assert metadata.work_list.data_ptr() == metadata.tables.data_ptr() + 8 * table_words
 
 
 @pytest.mark.parametrize("arch", ["sm_100a", "sm_90a"])
@@ -44,8 +41,7 @@ def test_a_new_routing_keeps_the_weight_shapes_kernel_and_stages_its_tables(arch
     # serving loop a new choice would compile for seconds. Each call's tables and work list are its own.
     own = [_own_choice(arch, [(m, CASE.n, CASE.k, 1) for m in ms]) for ms in ROUTINGS]
     assert own[1] != own[0]  # the test's premise: the second routing alone would choose another kernel
-    num_sms = 148 if arch == "sm_100a" else 132
-    with host_path.stubbed_driver(arch, num_sms) as compiled:
+    with host_path.stubbed_driver(arch) as compiled:
         weights = host_path.expert_weights(CASE)
         for i, ms in enumerate(ROUTINGS):
             data = host_path.expert_input(CASE, weights, ms)
@@ -79,7 +75,7 @@ def test_prepared_calls_hold_a_bounded_number_of_bytes(monkeypatch):
     ms = [8, 8, 0, 16]
     step = sum(m * (case.k // 2 + case.k // 16 + 2 * case.n) for m in ms)
     monkeypatch.setattr(submission, "PREPARED_CALL_CACHE_BYTES", int(2.5 * step))
-    with host_path.stubbed_driver("sm_90a", 132):
+    with host_path.stubbed_driver("sm_90a"):
         weights = host_path.expert_weights(case)
         first = host_path.expert_input(case, weights, ms)
         submission.custom_kernel(first)
@@ -111,8 +107,7 @@ def test_random_routings_stage_their_own_tables_and_compile_once_per_weight_shap
     rng = random.Random(7)
     shapes = [(128, 256), (256, 512), (4096, 7168), (7168, 2048), (1536, 2048), (2048, 768), (384, 1024)]
     rows = [0, 0, 1, 7, 16, 17, 63, 64, 65, 128, 129, 192, 193]
-    num_sms = 148 if arch == "sm_100a" else 132
-    with host_path.stubbed_driver(arch, num_sms) as compiled:
+    with host_path.stubbed_driver(arch) as compiled:
         for _ in range(20):
             groups = rng.choice([1, 2, 3, 8, 64, 256])
             n, k = rng.choice(shapes[:2] if groups > 64 else shapes)

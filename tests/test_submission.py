@@ -13,7 +13,7 @@ import reference
 import submission
 import submission_sm90
 from bringup import FILE_RULES
-from conftest import ROOT
+from conftest import ROOT, check_table_rows
 
 SUBMISSION = ROOT / "submission.py"
 
@@ -494,11 +494,7 @@ def test_the_hopper_work_list_goes_up_with_the_tables(monkeypatch):
     staging = ring.buffer[:count]
     assert staging_address == staging.data_ptr() and buffer_address == metadata.tables.data_ptr()
     assert torch.equal(staging[table_words:].view(torch.int32)[:words.numel()], words)
-    # the tables themselves: each group's pointers (a, b, c and the blocked scales), then its (m, n, k, l)
-    pointers = [[t.data_ptr() for t in (*abc, *sfs_r)] for abc, sfs_r in zip(data[0], data[2])]
-    assert staging[:len(sizes) * len(submission.PtrColumn)].view(len(sizes), -1).tolist() == pointers
-    ptr_words, _ = submission.table_words(len(sizes))
-    assert staging[ptr_words:table_words].view(torch.int32).view(len(sizes), -1).tolist() == list(map(list, sizes))
+    check_table_rows(staging, data)  # the tables themselves: each group's pointers, then its (m, n, k, l)
     assert metadata.work_list.data_ptr() == buffer_address + 8 * table_words
     assert metadata.launch_args[3:] == (metadata.work_list.data_ptr(), plan.num_tiles, plan.num_ctas)
     # a work list longer than the staging ring takes an ordinary copy (the tables still go by the ring)
