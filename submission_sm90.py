@@ -134,10 +134,6 @@ class Sm90GemmConfig:
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
-    b_prefetch: 0, or how far ahead (in 128-k chunks) the producer asks L2 for the weights (`prefetch_b`):
-      a chunk's B is a 64-byte piece of each of 128 rows, half of a 128-byte line; at every even chunk the
-      producer prefetches chunk + 1 (1), or chunks + d and + d + 1 (d >= 2, and at a part's start every chunk
-      before them), so that both halves of each line leave DRAM together and ahead of their stage's load.
     """
 
     num_stages: int = 0
@@ -148,7 +144,6 @@ class Sm90GemmConfig:
     max_width: int = SM90_DEFAULT_WIDTHS[-1]
     min_width: int = SM90_DEFAULT_WIDTHS[0]
     split_k: bool = True
-    b_prefetch: int = 0
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
@@ -158,8 +153,6 @@ class Sm90GemmConfig:
             value = getattr(self, name)
             if value not in SM90_WIDTHS or (value != default and not self.m_exact):
                 raise ValueError(f"Sm90GemmConfig.{name}={value}: one of {SM90_WIDTHS}, and only with m_exact")
-        if not 0 <= self.b_prefetch <= 16:
-            raise ValueError(f"Sm90GemmConfig.b_prefetch={self.b_prefetch}: 0 (off) to 16 chunks ahead")
         if self.m_exact and not 0 < len(self.widths) <= SM90_MAX_BUILD_WIDTHS:
             raise ValueError(f"Sm90GemmConfig: widths {self.min_width}-{self.max_width} give {len(self.widths)} "
                              f"mainloops; a build takes 1 to {SM90_MAX_BUILD_WIDTHS}")
@@ -647,18 +640,6 @@ def _u32(x, loc, ip):
 
 def _i64(x, loc, ip):
     return cutlass.Int64(x).ir_value(loc=loc, ip=ip)
-
-
-@dsl_user_op
-def tma_prefetch_2d_elected(descriptor, c0, c1, take, *, loc=None, ip=None):
-    """Where `take` is nonzero, one elected lane of the warp asks L2 for the box at coordinates (c0, c1)
-    (innermost first) of the tensor that `descriptor` (generic address) describes. The predicate rides on the
-    instruction, not on a branch (a branch around a TMA instruction gave ptxas a predicated R2UR:
-    docs/HOPPER_NOTES.md, Design). A hint: it moves no data the kernel reads, so it cannot change a result."""
-    _asm(None, [_i64(descriptor, loc, ip), _i32(c0, loc, ip), _i32(c1, loc, ip), _i32(take, loc, ip)],
-         "{\n.reg .b32 lane;\n.reg .pred p, q;\nelect.sync lane|p, -1;\nsetp.ne.s32 q, $3, 0;\nand.pred p, p, q;\n"
-         "@p cp.async.bulk.prefetch.tensor.2d.L2.global.tile [$0, {$1, $2}];\n}",
-         "l,r,r,r,~{memory}", True, loc, ip)
 
 
 def ring_state(n, stages: int, producer: bool = False):
@@ -1466,8 +1447,6 @@ class Sm90BlockScaledGroupedGemmKernel:
         sfb = ptrs[g, int(PtrColumn.SFB)]
         rest_k = k_size // 64
         sfa_row = cutlass.Int64((m0 // 128) * rest_k) * 512
-        if cutlass.const_expr(self.config.b_prefetch > 0):
-            prefetch_desc = descriptors.address(g, Sm90TensorMapSlot.B)
         for c in range(chunks):
             kc = k0 + c  # the chunk's position in K
             state = ring_state(chunk + c, self.num_stages, producer=True)
@@ -1478,8 +1457,6 @@ class Sm90BlockScaledGroupedGemmKernel:
                           tma_desc_ptr=desc_a)
             cute.copy(tma_b, tBgB[(None, n_tile, kc)], tBsB[(None, state.index)], tma_bar_ptr=full,
                       tma_desc_ptr=desc_b)
-            if cutlass.const_expr(self.config.b_prefetch > 0):
-                self.prefetch_b(prefetch_desc, n_tile, kc, c, k0 + chunks)
             if lane == 0:  # bulk copies are not elected by the DSL
                 sf_off = cutlass.Int64(kc) * 1024
                 sf_stage = smem.sf + state.index * self.sf_stage_bytes
@@ -1499,19 +1476,6 @@ class Sm90BlockScaledGroupedGemmKernel:
                     for j in cutlass.range_constexpr(width // self.box_rows):
                         cute.copy(tma_a, tAgA[(None, m0 // self.box_rows + j, 2 * kc + h)],
                                   tAsA[(None, j, h, a16_state.index)], tma_bar_ptr=a16_full, tma_desc_ptr=desc_a)
-
-    @cute.jit
-    def prefetch_b(self, desc_b, n_tile, kc, c, end):
-        """`Sm90GemmConfig.b_prefetch`: at an even chunk kc, L2 prefetches of this tile's B boxes at chunks
-        kc + d and kc + d + 1 (d = 1: kc + 1 only), and at the part's first chunk (c = 0) also kc + 1 .. kc + d - 1;
-        none at or past the part's end."""
-        d = self.config.b_prefetch
-        even = cutlass.Int32(kc % 2 == 0)
-        for j in cutlass.range_constexpr(1, d + 2 if d >= 2 else 2):
-            take = even * cutlass.Int32(kc + j < end)
-            if cutlass.const_expr(j < d):
-                take = take * cutlass.Int32(c == 0)
-            tma_prefetch_2d_elected(desc_b, 64 * (kc + j), n_tile * self.tile_n, take)
 
     # -----------------------------------------------------------------------------------------------
     # Transform warpgroup: A fp4 (stage) -> fp16 buffer (the wgmma B operand), one row per thread

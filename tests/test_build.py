@@ -134,11 +134,9 @@ import submission
 import submission_sm90
 import dataclasses
 configs = submission_sm90.SM90_VARIANT_CONFIGS
-build, part = sys.argv[2], sys.argv[3]
-if build == "separate_convert":  # a variant with the A conversion as its own launch: both parts
-    config = dataclasses.replace(next(c for c in configs.values() if c.a16_prepass), a16_fused=False)
-else:  # "prefetch=<d>": the narrow build with the weights' L2 prefetch at distance d
-    config = dataclasses.replace(configs["sm90_a16_narrow"], b_prefetch=int(build.split("=")[1]))
+part = sys.argv[2]
+# a variant with the A conversion as its own launch: both parts
+config = dataclasses.replace(next(c for c in configs.values() if c.a16_prepass), a16_fused=False)
 try:
     submission.compiled_kernel(submission.compile_key(2, "sm_90a", config, part))
 except Exception as err:  # 4.3.x without a driver: the cubin is written, then loading it fails
@@ -148,12 +146,12 @@ print("BUILD_OK")
 """
 
 
-def _sm90_build_sass(tmp_path, build: str, part: str, name: str) -> str:
-    """The SASS of kernel `name`, built for sm_90a by `_SM90_BUILD_SCRIPT` (build, part) in a process of its
-    own (DSL 4.3.x without a driver stops after its first build)."""
+def _sm90_build_sass(tmp_path, part: str, name: str) -> str:
+    """The SASS of kernel `name`, built for sm_90a by `_SM90_BUILD_SCRIPT` (part) in a process of its own
+    (DSL 4.3.x without a driver stops after its first build)."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP_CUBIN="1",
                CUTE_DSL_KEEP="cubin", CUTE_DSL_DISABLE_FILE_CACHING="1")
-    proc = subprocess.run([sys.executable, "-c", _SM90_BUILD_SCRIPT, str(ROOT), build, part], env=env,
+    proc = subprocess.run([sys.executable, "-c", _SM90_BUILD_SCRIPT, str(ROOT), part], env=env,
                           capture_output=True, text=True, timeout=900)
     assert "BUILD_OK" in proc.stdout, proc.stderr[-3000:]
     cubins = sorted(tmp_path.rglob(f"*{name}*.cubin"))
@@ -166,21 +164,10 @@ def _sm90_build_sass(tmp_path, build: str, part: str, name: str) -> str:
 @pytest.mark.parametrize("part, name, sass_ops", [("tensormaps", "GroupTensormapKernel", ()),
                                                   ("convert", "Sm90AConvertKernel", ("LDG", "STG.E.128"))])
 def test_sm90a_auxiliary_kernels_build(tmp_path, part, name, sass_ops):
-    sass = _sm90_build_sass(tmp_path, "separate_convert", part, name)
+    sass = _sm90_build_sass(tmp_path, part, name)
     assert "HGMMA" not in sass and "EXIT" in sass, sass[-2000:]
     for op in sass_ops:
         assert op in sass, (op, sass[-2000:])
-
-
-# Sm90GemmConfig.b_prefetch: the weights' L2 prefetches are TMA instructions whose predicate rides on the
-# instruction (no branch around them, so no R2UR under a lane predicate), and they cost no local memory.
-@pytest.mark.parametrize("distance", [1, 4])
-def test_sm90a_weight_prefetch_builds(tmp_path, distance):
-    sass = _sm90_build_sass(tmp_path, f"prefetch={distance}", "gemm", "Sm90BlockScaledGroupedGemmKernel")
-    assert "UTMAPF.L2.2D" in sass, sass[-2000:]
-    assert not re.search(r"@!?P[0-6]\s+R2UR\s", sass), "an R2UR under a lane predicate"
-    assert "LDL" not in sass and "STL" not in sass, "local memory"
-    assert "HGMMA" in sass, sass[-2000:]
 
 
 def test_compile_reports_a_bad_case_file(tmp_path):

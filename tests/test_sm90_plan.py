@@ -330,8 +330,6 @@ def test_auto_takes_the_narrow_build_for_experts_with_a_few_rows_each():
     (dict(max_width=24), "max_width=24: one of"),
     (dict(min_width=16, max_width=160), "give 6 mainloops; a build takes 1 to 5"),
     (dict(min_width=128, max_width=64), "give 0 mainloops"),
-    (dict(b_prefetch=-1), "b_prefetch=-1: 0 \\(off\\) to 16"),
-    (dict(b_prefetch=17), "b_prefetch=17: 0 \\(off\\) to 16"),
 ])
 def test_config_refuses_widths_no_build_can_take(fields, message):
     with pytest.raises(ValueError, match=message):
