@@ -646,8 +646,10 @@ def ring_state(n, stages: int, producer: bool = False):
     """The pipeline state of the n-th use of a ring of `stages` buffers, computed rather than carried (every
     role counts the chunks it has passed): buffer n % stages, phase (n / stages) % 2, the producer's flipped
     (its first pass finds every buffer empty)."""
-    phase = (n // stages) % 2
-    return pipeline.PipelineState(stages, n, n % stages, phase ^ 1 if producer else phase)
+    u = cutlass.Uint32(n)  # a count from 0: unsigned, so that / and % by a power of two are a shift and a mask
+    index = cute.arch.make_warp_uniform(cutlass.Int32(u % stages))
+    phase = cute.arch.make_warp_uniform(cutlass.Int32((u // stages) % 2))
+    return pipeline.PipelineState(stages, n, index, phase ^ 1 if producer else phase)
 
 
 def release_read_stage(pipe, state):
@@ -1690,8 +1692,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         # The previous chunk's fp16 A buffer, released at t == 1 below once its wgmmas have retired. A tile's
         # first chunk releases the spare barrier after the ring instead (index num_a16): the tile before
         # released its last buffer after its final wait; a select, not a branch (see consume_tile's NOTES).
-        prev_state = pipeline.PipelineState(
-            self.num_a16, chunk, first * self.num_a16 + (1 - first) * ((chunk + self.num_a16 - 1) % self.num_a16), 0)
+        prev_index = ring_state(chunk + self.num_a16 - 1, self.num_a16).index  # chunk - 1's buffer
+        prev_state = pipeline.PipelineState(self.num_a16, chunk, first * self.num_a16 + (1 - first) * prev_index, 0)
 
         # -- per quarter (32 k = word t of each row): dequantize into the register fragment and issue
         # 2 k-steps of wgmma; a fragment buffer is rewritten two quarters later.
