@@ -645,8 +645,14 @@ def _i64(x, loc, ip):
 def ring_state(n, stages: int, producer: bool = False):
     """The pipeline state of the n-th use of a ring of `stages` buffers, computed rather than carried (every
     role counts the chunks it has passed): buffer n % stages, phase (n / stages) % 2, the producer's flipped
-    (its first pass finds every buffer empty)."""
-    u = cutlass.Uint32(n)  # a count from 0: unsigned, so that / and % by a power of two are a shift and a mask
+    (its first pass finds every buffer empty).
+
+    NOTES: n counts from 0, so it is taken unsigned: / and % by a power of two are then a shift and a mask, not
+    signed-division fix-ups in every chunk (docs/HOPPER_NOTES.md v28: 7-10 % fewer instructions per chunk).
+    Both results are marked warp-uniform (every role's count is): unmarked, ptxas computed the producer's fp16
+    A buffer index in vector registers and moved it to uniform ones under the elected lane (predicated R2UR,
+    illegal on sm_90a; tests/test_build.py counts them)."""
+    u = cutlass.Uint32(n)
     index = cute.arch.make_warp_uniform(cutlass.Int32(u % stages))
     phase = cute.arch.make_warp_uniform(cutlass.Int32((u // stages) % 2))
     return pipeline.PipelineState(stages, n, index, phase ^ 1 if producer else phase)
