@@ -1005,10 +1005,6 @@ class TmaDescriptorRows:
         for slot in slots:
             self.manager.fence_tensormap_update(self._gmem_ptr(self._row(group), slot))
 
-    def address(self, group, slot) -> cutlass.Int64:
-        """Global address of the descriptor used for `group` in `slot` (for hand-written TMA instructions)."""
-        return self._gmem_ptr(self._row(group), slot).toint()
-
     def for_tma(self, group, slots: tuple) -> tuple:
         """Generic-address descriptor pointers for the TMA copies of a tile of `group`."""
         return tuple(self.manager.get_tensormap_ptr(self._gmem_ptr(self._row(group), slot), cute.AddressSpace.generic)
