@@ -16,7 +16,8 @@ copies are the DSL's pipeline classes and TMA atoms, as on Blackwell; inline PTX
 conversions and hand-addressed shared memory. `sm90_tile128` uses 128-row tiles on the round-robin
 `GroupTileScheduler` and converts A in a transform warpgroup of every CTA. `sm90_a16_narrow` is the M-exact
 kernel built for tiles 16-64 rows wide, for MoE experts with a few tokens each; `sm90_auto` takes it where
-the non-empty groups average at most `SM90_NARROW_MEAN_ROWS` rows.
+the non-empty groups average at most `SM90_NARROW_MEAN_ROWS` rows. `sm90_a16_pairs` (a lever, never chosen by
+`sm90_auto`) is that kernel at widths 16-32 with two pairs of consumer warpgroups sharing each tile's chunks.
 
 What this module shares with the B200 kernels, from submission.py: the host path (constraint check,
 pointer/size tables, launch-metadata and compile caches, the prepared-call fast path, the launch paths), the
@@ -131,6 +132,11 @@ class Sm90GemmConfig:
     min_width: m_exact only: the narrowest tile (one of SM90_WIDTHS); the build's widths are those of
       SM90_WIDTHS from min_width to max_width (at most SM90_MAX_BUILD_WIDTHS). Below 32, the fp16 A loads and
       the C^T stores go as min_width-row TMA boxes (else 32).
+    consumer_pairs: 1, or 2 (a lever, m_exact with widths up to 32 only): two pairs of consumer warpgroups
+      per CTA, the pair p consuming the chunks of every tile whose index has parity p; at a tile's end pair 1
+      hands its fp32 accumulator to pair 0 through shared memory, which adds it and stores the tile. Twice the
+      consumer warps per SM for the same tiles and plan (the transform warpgroup, idle with the prepass, is
+      left out: 640 threads, consumers at 120 registers; docs/HOPPER_NOTES.md, open items).
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
@@ -144,6 +150,7 @@ class Sm90GemmConfig:
     max_width: int = SM90_DEFAULT_WIDTHS[-1]
     min_width: int = SM90_DEFAULT_WIDTHS[0]
     split_k: bool = True
+    consumer_pairs: int = 1
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
@@ -153,6 +160,9 @@ class Sm90GemmConfig:
             value = getattr(self, name)
             if value not in SM90_WIDTHS or (value != default and not self.m_exact):
                 raise ValueError(f"Sm90GemmConfig.{name}={value}: one of {SM90_WIDTHS}, and only with m_exact")
+        if self.consumer_pairs not in (1, 2) or (self.consumer_pairs == 2 and not (self.m_exact and self.max_width <= 32)):
+            raise ValueError(f"Sm90GemmConfig.consumer_pairs={self.consumer_pairs}: 1, or 2 with m_exact and "
+                             "max_width <= 32")
         if self.m_exact and not 0 < len(self.widths) <= SM90_MAX_BUILD_WIDTHS:
             raise ValueError(f"Sm90GemmConfig: widths {self.min_width}-{self.max_width} give {len(self.widths)} "
                              f"mainloops; a build takes 1 to {SM90_MAX_BUILD_WIDTHS}")
@@ -175,6 +185,8 @@ SM90_VARIANT_CONFIGS = {
     "sm90_a16_mexact": Sm90GemmConfig(a16_prepass=True, m_exact=True),
     "sm90_a16_mexact128": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=128),
     "sm90_a16_narrow": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=64, min_width=16),
+    # a lever, not chosen by sm90_auto until measured: twice the consumer warps per SM
+    "sm90_a16_pairs": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=32, min_width=16, consumer_pairs=2),
 }
 
 
@@ -698,6 +710,7 @@ class Sm90SharedAddresses:
     sf: object
     a16: object
     c: object
+    x: object  # consumer_pairs = 2: pair 1's accumulators handed to pair 0, one slab per consumer warpgroup
 
 
 @dsl_user_op
@@ -729,6 +742,19 @@ def ld_shared_v4(addr, *, loc=None, ip=None):
 def st_shared_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
     _store_v4("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", _i32(addr, loc, ip),
               [_u32(v, loc, ip) for v in (v0, v1, v2, v3)], "r", "r", loc, ip)
+
+
+@dsl_user_op
+def st_shared_v4_f32(addr, v0, v1, v2, v3, *, loc=None, ip=None):
+    _store_v4("st.shared.v4.f32 [$0], {$1, $2, $3, $4};", _i32(addr, loc, ip),
+              [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)], "f", "r", loc, ip)
+
+
+@dsl_user_op
+def ld_shared_v4_f32(addr, *, loc=None, ip=None):
+    values = _load_v4("ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", _i32(addr, loc, ip), T.f32(), "f", "r", True,
+                      loc, ip)
+    return [cutlass.Float32(v) for v in values]
 
 
 @dsl_user_op
@@ -1014,11 +1040,13 @@ class Sm90BlockScaledGroupedGemmKernel:
     consumers only acquire a group's row when their tile changes group.
 
     Tile: 128 rows of B (each consumer warpgroup one 64-row wgmma M block) by tile_m rows of A (the wgmma N).
-    Registers (setmaxnreg): producer 24, transform 64, consumers 208 (prepass: 24, 24, 232).
+    Registers (setmaxnreg): producer 24, transform 64, consumers 208 (prepass: 24, 24, 232; consumer_pairs = 2:
+    producer 24, no transform warpgroup, four consumer warpgroups at 112).
     Shared memory: 4 stages (18 KB; prepass 9 KB) + fp16 A buffers of tile_m x 128 k (32 KB; m_exact up to
     192 rows 48 KB), as many as fit up to 4 (`num_a16`: 3 without the prepass or at 192 rows, else 4)
     + 2 x 16 KB epilogue: ~205 KB without the prepass, 213 / 196 KB for m_exact up to 192 / 128 rows.
-    Named barriers: EPILOGUE_BARRIER + consumer index (128 threads each).
+    Named barriers: EPILOGUE_BARRIER + consumer index (128 threads each); consumer_pairs = 2 also
+    EXCHANGE_BARRIER + 0..3 (`join_pairs`, 256 threads each).
     Pipelines (the DSL's classes, as the Blackwell kernels use): the stage ring is a `PipelineTmaAsync`
     (producer TMA and bulk copies -> consumer warps, and the transform warps that read A from it); the fp16 A
     ring a `PipelineTmaAsync` with the prepass (its byte count per tile width, `with_tx_count`), else a
@@ -1040,6 +1068,9 @@ class Sm90BlockScaledGroupedGemmKernel:
     """
 
     EPILOGUE_BARRIER = 2
+    # consumer_pairs = 2: + consumer warpgroup (0, 1): pair 1's accumulator is in its slab ("full"); + 2 +
+    # warpgroup: pair 0 has read it ("free"); 256 threads each (the two warpgroups of the same rows)
+    EXCHANGE_BARRIER = 4
     SLOT_ROWS = 128  # rows of B in a split-K partial slot (the tile's)
 
     A_BYTES = 128 * 64  # A fp4 rows of one stage: 128 x 64 B (128 k)
@@ -1075,15 +1106,24 @@ class Sm90BlockScaledGroupedGemmKernel:
         # padding in SMEM_SLACK), at most 4: 3 of 48 KB (m_exact up to 192 rows, or no prepass), 4 of 32 KB
         # otherwise. A buffer is refilled only after the wgmmas that read it retire, so the deeper ring loads A
         # further ahead (measured: 4 instead of 3 buffers, 5 % / 3 % faster on bench2 / bench3).
-        free = DYNAMIC_SMEM_BUDGET - self.SMEM_SLACK - self.num_stages * self.stage_bytes - 2 * self.C_BYTES
+        self.pairs = config.consumer_pairs
+        # consumer_pairs = 2: pair 1's fp32 accumulator, [v4 j][thread] of 16 bytes, per consumer warpgroup
+        self.x_bytes = 64 * self.tile_m * 4 if self.pairs == 2 else 0
+        free = (DYNAMIC_SMEM_BUDGET - self.SMEM_SLACK - self.num_stages * self.stage_bytes - 2 * self.C_BYTES
+                - 2 * self.x_bytes)
         self.num_a16 = min(4, free // self.a16_bytes)
-        self.threads = 512
+        # warpgroups: the producer's, the transform warpgroup (not with consumer_pairs = 2), the consumers
+        self.first_consumer_wg = 1 if self.pairs == 2 else 2
+        self.threads = 128 * (self.first_consumer_wg + 2 * self.pairs)
         self.producer_regs = 24
         # With the prepass the transform warpgroup is idle and gives its registers to the consumers:
         # 128 x (24 + 24) + 256 x 232 = 65536. NOTES: the widest accumulator (64 x 192 of m_exact) needs them:
         # with 208, ptxas serializes every wgmma (C7512) or spills.
         self.transform_regs = 24 if self.prepass else 64
-        self.consumer_regs = 232 if self.prepass else 208
+        # consumer_pairs = 2: launched at 96 (65536 / 640, in steps of 8); the producer's 72 given back make 112
+        # for the consumers (widths up to 32 keep their wgmmas pipelined there, one word spilled outside the
+        # chunk loop; docs/HOPPER_NOTES.md, open items)
+        self.consumer_regs = 112 if self.pairs == 2 else (232 if self.prepass else 208)
 
     @cute.jit
     def group_sizes(self, sizes: cute.Tensor, group: cutlass.Int32):
@@ -1244,6 +1284,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             sSF: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.num_stages * self.sf_stage_bytes], 128]
             a16: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.num_a16 * self.a16_bytes // 2], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, 2 * self.C_BYTES // 2], 1024]
+            sX: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, max(2 * self.x_bytes // 4, 4)], 128]
 
         self.shared_storage = SharedStorage
 
@@ -1339,7 +1380,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         sA16 = [storage.a16.get_tensor(self.a16_outer(w, self.num_a16), swizzle=swizzle) for w in self.widths]
         smem = Sm90SharedAddresses(storage.sB.data_ptr().toint(), storage.sA.data_ptr().toint(),
                                    storage.sSF.data_ptr().toint(), storage.a16.data_ptr().toint(),
-                                   storage.sC.data_ptr().toint())
+                                   storage.sC.data_ptr().toint(), storage.sX.data_ptr().toint())
 
         descriptors = TmaDescriptorRows(True, tensormaps, bid)
 
@@ -1348,7 +1389,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             if warp == 0:
                 self.producer(ptrs, sizes, work, descriptors, total_tiles, bid, grid, stage_pipe, a16_pipe,
                               (tma_a, tma_b), (tAgA, tBgB), (tAsA, tBsB), smem)
-        elif warp < 8:
+        elif warp < 4 * self.first_consumer_wg:
             cute.arch.warpgroup_reg_dealloc(self.transform_regs)
             if cutlass.const_expr(not self.prepass):
                 self.transform(sizes, work, total_tiles, bid, grid, tidx, stage_pipe, a16_pipe, smem)
@@ -1534,7 +1575,12 @@ class Sm90BlockScaledGroupedGemmKernel:
     def consumer(self, sA16, ptrs, sizes, work, descriptors, total_tiles, bid, grid, tidx, warp, stage_pipe,
                  a16_pipe, tma_c, tCsC, tCgC, smem):
         # warp-uniform values stay in uniform registers (TMA operands must not need a predicated R2UR)
-        wg = warp // 4 - 2
+        # consumer warpgroup wg (0, 1: its 64 rows of B), of pair `pair` with consumer_pairs = 2
+        wg = warp // 4 - self.first_consumer_wg
+        pair = cutlass.Int32(0)
+        if cutlass.const_expr(self.pairs == 2):
+            pair = wg // 2
+            wg = wg % 2
         w = warp % 4
         tid = tidx % 128
         lane = tid % 32
@@ -1579,7 +1625,8 @@ class Sm90BlockScaledGroupedGemmKernel:
                     self.consume_tile(self.widths[wi], tiled_mmas[wi], sA16[wi], frags, chunk, chunks, is_split, i, grid,
                                       work, descriptors, descriptors.for_tma(g, (Sm90TensorMapSlot.C,))[0], m0,
                                       n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
-                                      epilogue_barrier, smem, b_off, sfb_off, b_sel)
+                                      epilogue_barrier, smem, b_off, sfb_off, b_sel,
+                                      (pair, cutlass.Int32(i > begin), cutlass.Int32(i + 1 < end)))
             chunk = chunk + chunks
         if w == 0:
             c_store.producer_tail()  # the stores have completed before the CTA retires
@@ -1587,10 +1634,13 @@ class Sm90BlockScaledGroupedGemmKernel:
     @cute.jit
     def consume_tile(self, width: int, tiled_mma, sA16, frags, chunk, num_chunks, is_split, i, grid, work, descriptors,
                      desc_c, m0, n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
-                     epilogue_barrier, smem, b_off, sfb_off, b_sel):
+                     epilogue_barrier, smem, b_off, sfb_off, b_sel, team):
         """One part of a tile of `width` rows of A: its K loop into the accumulator (64 n x width m); a part of
         a split tile then meets the others' (`split_fixup`); the epilogue, where the tile is complete (fp16
-        slabs of at most 128 m x 64 n, TMA-stored as box_rows-row boxes of C^T)."""
+        slabs of at most 128 m x 64 n, TMA-stored as box_rows-row boxes of C^T).
+        team: (pair, 1 if the CTA had a tile before this one, 1 if it has one after): with consumer_pairs = 2
+        pair p takes the chunks c = p, p + 2, ... and pair 1's accumulator joins pair 0's (`join_pairs`), which
+        alone goes on to split-K and the epilogue."""
         thr_mma = tiled_mma.get_slice(tid)
         # (MMA, MMA_N, MMA_K, A16 buffer)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sA16))
@@ -1598,14 +1648,61 @@ class Sm90BlockScaledGroupedGemmKernel:
         acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((64, width)), cutlass.Float32)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         acc.fill(0.0)
-        for c in range(num_chunks):
-            # NOTES: branch-free on purpose: a dynamic `if` between wgmma groups makes ptxas wait for every
-            # wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the SASS): the MMAs serialize.
-            first = cutlass.Int32(c == 0)
-            self.consume_chunk(chunk + c, first, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
-                               sfb_off, b_sel)
-        warpgroup.wait_group(0)
-        a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
+        if cutlass.const_expr(self.pairs == 1):
+            for c in range(num_chunks):
+                # NOTES: branch-free on purpose: a dynamic `if` between wgmma groups makes ptxas wait for every
+                # wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the SASS): the MMAs serialize.
+                first = cutlass.Int32(c == 0)
+                self.consume_chunk(chunk + c, first, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
+                                   sfb_off, b_sel)
+            warpgroup.wait_group(0)
+            a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
+            self.finish_tile(width, acc, is_split, i, grid, work, descriptors, desc_c, m0, n_tile, wg, w, tid, tma_c,
+                             tCsC, tCgC, c_store, epilogue_barrier, smem)
+        else:
+            pair = team[0]
+            for c in range(pair, num_chunks, 2):
+                first = cutlass.Int32(c == pair)
+                self.consume_chunk(chunk + c, first, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
+                                   sfb_off, b_sel)
+            warpgroup.wait_group(0)
+            if pair < num_chunks:  # the fp16 A buffer of this pair's last chunk
+                a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1 - (num_chunks - 1 - pair) % 2,
+                                                     self.num_a16))
+            self.join_pairs(width, acc, team, wg, tid, smem)
+            if pair == 0:
+                self.finish_tile(width, acc, is_split, i, grid, work, descriptors, desc_c, m0, n_tile, wg, w, tid,
+                                 tma_c, tCsC, tCgC, c_store, epilogue_barrier, smem)
+
+    @cute.jit
+    def join_pairs(self, width: int, acc, team, wg, tid, smem):
+        """consumer_pairs = 2: pair 1 hands its accumulator to pair 0 through its warpgroup's slab (16 bytes per
+        thread and v4 j: each access of a warpgroup is 2 KB in a row); pair 0 adds it. Pair 1 waits until pair 0
+        has read the slab of the CTA's previous tile; pair 0 signals that only where another tile follows."""
+        pair, has_prev, has_next = team
+        slab = smem.x + wg * self.x_bytes + tid * 16
+        full = self.EXCHANGE_BARRIER + wg
+        free = self.EXCHANGE_BARRIER + 2 + wg
+        if pair == 1:
+            if has_prev != 0:
+                cute.arch.barrier(barrier_id=free, number_of_threads=256)
+            for j in cutlass.range_constexpr(width // 8):
+                st_shared_v4_f32(slab + 2048 * j, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
+            cute.arch.barrier_arrive(barrier_id=full, number_of_threads=256)
+        else:
+            cute.arch.barrier(barrier_id=full, number_of_threads=256)
+            for j in cutlass.range_constexpr(width // 8):
+                v = ld_shared_v4_f32(slab + 2048 * j)
+                for e in cutlass.range_constexpr(4):
+                    acc[4 * j + e] = acc[4 * j + e] + v[e]
+            if has_next != 0:
+                cute.arch.barrier_arrive(barrier_id=free, number_of_threads=256)
+
+    @cute.jit
+    def finish_tile(self, width: int, acc, is_split, i, grid, work, descriptors, desc_c, m0, n_tile, wg, w, tid,
+                    tma_c, tCsC, tCgC, c_store, epilogue_barrier, smem):
+        """A tile part's accumulator to C: split-K's meeting of the parts where it is one (`split_fixup`), then
+        the epilogue where the tile is complete."""
         complete = cutlass.Int32(1)
         if cutlass.const_expr(self.m_exact):
             if is_split != 0:
@@ -1698,7 +1795,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         # The previous chunk's fp16 A buffer, released at t == 1 below once its wgmmas have retired. A tile's
         # first chunk releases the spare barrier after the ring instead (index num_a16): the tile before
         # released its last buffer after its final wait; a select, not a branch (see consume_tile's NOTES).
-        prev_index = ring_state(chunk + self.num_a16 - 1, self.num_a16).index  # chunk - 1's buffer
+        # the buffer of this pair's previous chunk: chunk - 1 (chunk - 2 with consumer_pairs = 2)
+        prev_index = ring_state(chunk + self.num_a16 - self.pairs, self.num_a16).index
         prev_state = pipeline.PipelineState(self.num_a16, chunk, first * self.num_a16 + (1 - first) * prev_index, 0)
 
         # -- per quarter (32 k = word t of each row): dequantize into the register fragment and issue
