@@ -744,17 +744,29 @@ def st_shared_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
               [_u32(v, loc, ip) for v in (v0, v1, v2, v3)], "r", "r", loc, ip)
 
 
+def _store_f32x4(space: str, addr, values, loc, ip) -> None:
+    """st.`space`.v4.f32 of four floats; `addr` a 32-bit shared or a 64-bit global address."""
+    shared = space == "shared"
+    _store_v4(f"st.{space}.v4.f32 [$0], {{$1, $2, $3, $4}};", (_i32 if shared else _i64)(addr, loc, ip),
+              [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values], "f", "r" if shared else "l", loc, ip)
+
+
+def _load_f32x4(space: str, addr, loc, ip) -> list:
+    """ld.`space`.v4.f32 of four floats (`space`: "shared", or "global.cg"), never hoisted or merged."""
+    shared = space == "shared"
+    values = _load_v4(f"ld.{space}.v4.f32 {{$0, $1, $2, $3}}, [$4];", (_i32 if shared else _i64)(addr, loc, ip),
+                      T.f32(), "f", "r" if shared else "l", True, loc, ip)
+    return [cutlass.Float32(v) for v in values]
+
+
 @dsl_user_op
 def st_shared_v4_f32(addr, v0, v1, v2, v3, *, loc=None, ip=None):
-    _store_v4("st.shared.v4.f32 [$0], {$1, $2, $3, $4};", _i32(addr, loc, ip),
-              [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)], "f", "r", loc, ip)
+    _store_f32x4("shared", addr, (v0, v1, v2, v3), loc, ip)
 
 
 @dsl_user_op
 def ld_shared_v4_f32(addr, *, loc=None, ip=None):
-    values = _load_v4("ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", _i32(addr, loc, ip), T.f32(), "f", "r", True,
-                      loc, ip)
-    return [cutlass.Float32(v) for v in values]
+    return _load_f32x4("shared", addr, loc, ip)
 
 
 @dsl_user_op
@@ -832,16 +844,13 @@ def ld_global_v4(addr, fresh: bool = False, *, loc=None, ip=None):
 
 @dsl_user_op
 def st_global_v4_f32(addr, v0, v1, v2, v3, *, loc=None, ip=None):
-    _store_v4("st.global.v4.f32 [$0], {$1, $2, $3, $4};", _i64(addr, loc, ip),
-              [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)], "f", "l", loc, ip)
+    _store_f32x4("global", addr, (v0, v1, v2, v3), loc, ip)
 
 
 @dsl_user_op
 def ld_global_cg_v4_f32(addr, *, loc=None, ip=None):
     """Four floats written by other CTAs of this grid (after `sm90_split_arrive`): cached in L2 only."""
-    values = _load_v4("ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", _i64(addr, loc, ip), T.f32(), "f", "l", True,
-                      loc, ip)
-    return [cutlass.Float32(v) for v in values]
+    return _load_f32x4("global.cg", addr, loc, ip)
 
 
 @dsl_user_op
