@@ -185,8 +185,10 @@ SM90_VARIANT_CONFIGS = {
     "sm90_a16_mexact": Sm90GemmConfig(a16_prepass=True, m_exact=True),
     "sm90_a16_mexact128": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=128),
     "sm90_a16_narrow": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=64, min_width=16),
-    # a lever, not chosen by sm90_auto until measured: twice the consumer warps per SM
-    "sm90_a16_pairs": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=32, min_width=16, consumer_pairs=2),
+    # a lever, not chosen by sm90_auto until measured: twice the consumer warps per SM; 8 stages, so that each
+    # pair has as many of its chunks in flight as the narrow build's consumers have with 4
+    "sm90_a16_pairs": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=32, min_width=16, consumer_pairs=2,
+                                     num_stages=8),
 }
 
 
