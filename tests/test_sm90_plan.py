@@ -330,9 +330,32 @@ def test_auto_takes_the_narrow_build_for_experts_with_a_few_rows_each():
     (dict(max_width=24), "max_width=24: one of"),
     (dict(min_width=16, max_width=160), "give 6 mainloops; a build takes 1 to 5"),
     (dict(min_width=128, max_width=64), "give 0 mainloops"),
+    (dict(consumer_pairs=3), "consumer_pairs=3: 1, or 2 with m_exact and max_width <= 32"),
+    (dict(consumer_pairs=2, max_width=64), "consumer_pairs=2: 1, or 2 with m_exact and max_width <= 32"),
 ])
 def test_config_refuses_widths_no_build_can_take(fields, message):
     with pytest.raises(ValueError, match=message):
         submission_sm90.Sm90GemmConfig(a16_prepass=True, m_exact=True, **fields)
     with pytest.raises(ValueError, match="only with m_exact"):
         submission_sm90.Sm90GemmConfig(min_width=16)
+
+
+# ptxas launches a CTA of T threads at 65536 / T registers each (in steps of 8): the CTA's whole allocation.
+# `setmaxnreg` only moves registers within it, so a warpgroup that asks for more than the others gave back
+# waits forever at its `setmaxnreg.inc`.
+@pytest.mark.parametrize("variant", sorted(submission_sm90.SM90_VARIANT_CONFIGS))
+def test_sm90_register_and_shared_memory_budgets(variant):
+    config = submission_sm90.SM90_VARIANT_CONFIGS[variant]
+    kernel = submission_sm90.Sm90BlockScaledGroupedGemmKernel(4, config)
+    launch_regs = 65536 // kernel.threads // 8 * 8
+    groups = kernel.threads // 128
+    transform = groups - 1 - 2 * kernel.pairs  # 1, or 0 where consumer pairs leave it out
+    asked = 128 * (kernel.producer_regs + transform * kernel.transform_regs + 2 * kernel.pairs * kernel.consumer_regs)
+    assert transform in (0, 1) and asked <= kernel.threads * launch_regs, (variant, asked, kernel.threads * launch_regs)
+    for regs in (kernel.producer_regs, kernel.transform_regs, kernel.consumer_regs):
+        assert 24 <= regs <= 256 and regs % 8 == 0
+    smem = (kernel.num_stages * kernel.stage_bytes + kernel.num_a16 * kernel.a16_bytes + 2 * kernel.C_BYTES
+            + 2 * kernel.x_bytes + kernel.SMEM_SLACK)
+    assert smem <= submission.DYNAMIC_SMEM_BUDGET, (variant, smem)
+    # a pair releases the fp16 A buffer of its chunk two back: the ring needs at least as many buffers as pairs
+    assert kernel.num_a16 >= max(2, kernel.pairs)
