@@ -136,7 +136,7 @@ class Sm90GemmConfig:
       per CTA, the pair p consuming the chunks of every tile whose index has parity p; at a tile's end pair 1
       hands its fp32 accumulator to pair 0 through shared memory, which adds it and stores the tile. Twice the
       consumer warps per SM for the same tiles and plan (the transform warpgroup, idle with the prepass, is
-      left out: 640 threads, consumers at 120 registers; docs/HOPPER_NOTES.md, open items).
+      left out: 640 threads, consumers at 112 registers; docs/HOPPER_NOTES.md v29).
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
@@ -1659,24 +1659,19 @@ class Sm90BlockScaledGroupedGemmKernel:
         acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((64, width)), cutlass.Float32)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         acc.fill(0.0)
+        pair = team[0] if cutlass.const_expr(self.pairs == 2) else 0  # the first of this warpgroup's chunks
+        for c in range(pair, num_chunks, self.pairs):
+            # NOTES: branch-free on purpose: a dynamic `if` between wgmma groups makes ptxas wait for every
+            # wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the SASS): the MMAs serialize.
+            first = cutlass.Int32(c == pair)
+            self.consume_chunk(chunk + c, first, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
+                               sfb_off, b_sel)
+        warpgroup.wait_group(0)
         if cutlass.const_expr(self.pairs == 1):
-            for c in range(num_chunks):
-                # NOTES: branch-free on purpose: a dynamic `if` between wgmma groups makes ptxas wait for every
-                # wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the SASS): the MMAs serialize.
-                first = cutlass.Int32(c == 0)
-                self.consume_chunk(chunk + c, first, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
-                                   sfb_off, b_sel)
-            warpgroup.wait_group(0)
             a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
             self.finish_tile(width, acc, is_split, i, grid, work, descriptors, desc_c, m0, n_tile, wg, w, tid, tma_c,
                              tCsC, tCgC, c_store, epilogue_barrier, smem)
         else:
-            pair = team[0]
-            for c in range(pair, num_chunks, 2):
-                first = cutlass.Int32(c == pair)
-                self.consume_chunk(chunk + c, first, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
-                                   sfb_off, b_sel)
-            warpgroup.wait_group(0)
             if pair < num_chunks:  # the fp16 A buffer of this pair's last chunk
                 a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1 - (num_chunks - 1 - pair) % 2,
                                                      self.num_a16))
