@@ -137,6 +137,8 @@ class Sm90GemmConfig:
       hands its fp32 accumulator to pair 0 through shared memory, which adds it and stores the tile. Twice the
       consumer warps per SM for the same tiles and plan (the transform warpgroup, idle with the prepass, is
       left out: 640 threads, consumers at 112 registers; docs/HOPPER_NOTES.md v29).
+    a16_buffers: fp16 A buffers (0: as many as fit beside the stages, at most 4); with consumer_pairs = 2 each
+      pair has about half of them ahead of its chunks.
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
@@ -151,6 +153,7 @@ class Sm90GemmConfig:
     min_width: int = SM90_DEFAULT_WIDTHS[0]
     split_k: bool = True
     consumer_pairs: int = 1
+    a16_buffers: int = 0
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
@@ -1122,7 +1125,10 @@ class Sm90BlockScaledGroupedGemmKernel:
         self.x_bytes = 64 * self.tile_m * 4 if self.pairs == 2 else 0
         free = (DYNAMIC_SMEM_BUDGET - self.SMEM_SLACK - self.num_stages * self.stage_bytes - 2 * self.C_BYTES
                 - 2 * self.x_bytes)
-        self.num_a16 = min(4, free // self.a16_bytes)
+        self.num_a16 = config.a16_buffers or min(4, free // self.a16_bytes)
+        if self.num_a16 * self.a16_bytes > free or self.num_a16 < max(2, self.pairs):
+            raise ValueError(f"Sm90GemmConfig.a16_buffers={config.a16_buffers}: {max(2, self.pairs)} to "
+                             f"{free // self.a16_bytes} buffers of {self.a16_bytes} bytes fit this build")
         # warpgroups: the producer's, the transform warpgroup (not with consumer_pairs = 2), the consumers
         self.first_consumer_wg = 1 if self.pairs == 2 else 2
         self.threads = 128 * (self.first_consumer_wg + 2 * self.pairs)
