@@ -188,10 +188,12 @@ SM90_VARIANT_CONFIGS = {
     "sm90_a16_mexact": Sm90GemmConfig(a16_prepass=True, m_exact=True),
     "sm90_a16_mexact128": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=128),
     "sm90_a16_narrow": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=64, min_width=16),
-    # a lever, not chosen by sm90_auto until measured: twice the consumer warps per SM; 8 stages, so that each
-    # pair has as many of its chunks in flight as the narrow build's consumers have with 4
+    # a lever, not chosen by sm90_auto until measured: twice the consumer warps per SM; 8 stages and 8 fp16 A
+    # buffers, so that each pair has as many of its chunks in flight as the narrow build's consumers have with 4
+    # (with 4 A buffers it measured 8-10 % slower than narrow on the DeepSeek-V3 decode cases, with 8 6-8 % faster:
+    # H100, docs/HOPPER_NOTES.md v29)
     "sm90_a16_pairs": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=32, min_width=16, consumer_pairs=2,
-                                     num_stages=8),
+                                     num_stages=8, a16_buffers=8),
 }
 
 
@@ -1292,9 +1294,9 @@ class Sm90BlockScaledGroupedGemmKernel:
         @cute.struct
         class SharedStorage:
             # [full x num_stages | empty x num_stages] of the stage ring and of the fp16 A ring; the A ring has
-            # one spare empty barrier after them (see `consume_chunk`)
+            # a spare empty barrier per consumer pair after them (see `consume_chunk`)
             stage_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            a16_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.num_a16 + 1]
+            a16_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.num_a16 + self.pairs]
             sB: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.num_stages * self.b_bytes], 1024]
             sA: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Uint8, max(self.num_stages * self.a_stage_bytes, 16)], 1024]
@@ -1344,12 +1346,13 @@ class Sm90BlockScaledGroupedGemmKernel:
                 barrier_storage=storage.a16_bars.data_ptr(), num_stages=self.num_a16,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, a16_releases), defer_sync=True)
-        spare = storage.a16_bars.data_ptr() + 2 * self.num_a16  # the A ring's spare barrier (`consume_chunk`)
+        spare = storage.a16_bars.data_ptr() + 2 * self.num_a16  # the A ring's spare barriers (`consume_chunk`)
         if warp == 0:
             # NOTES: the same arrival count as the ring's empty barriers, so that a release completes exactly one
             # phase: a warp's 32 arrivals merge into one arrive of count 32, and an arrive larger than the pending
             # count is undefined (measured: a launch failure with count 1 in the PipelineAsync ring).
-            cute.arch.mbarrier_init(spare, a16_releases)
+            for p in range(self.pairs):
+                cute.arch.mbarrier_init(spare + p, a16_releases)
         # One CTA-wide sync makes every barrier initialisation visible before any role uses it.
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
@@ -1670,8 +1673,8 @@ class Sm90BlockScaledGroupedGemmKernel:
             # NOTES: branch-free on purpose: a dynamic `if` between wgmma groups makes ptxas wait for every
             # wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the SASS): the MMAs serialize.
             first = cutlass.Int32(c == pair)
-            self.consume_chunk(chunk + c, first, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
-                               sfb_off, b_sel)
+            self.consume_chunk(chunk + c, first, self.num_a16 + pair, frags, acc, tCrB, tiled_mma, stage_pipe,
+                               a16_pipe, smem, b_off, sfb_off, b_sel)
         warpgroup.wait_group(0)
         if cutlass.const_expr(self.pairs == 1):
             a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
@@ -1790,7 +1793,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                 c_store.producer_commit()
 
     @cute.jit
-    def consume_chunk(self, chunk, first, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
+    def consume_chunk(self, chunk, first, spare, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
                       sfb_off, b_sel):
         state = ring_state(chunk, self.num_stages)
         a16_state = ring_state(chunk, self.num_a16)
@@ -1805,11 +1808,12 @@ class Sm90BlockScaledGroupedGemmKernel:
         b_sc = [[scale_to_f16x2(b_sf[r], b_sel + e * 0x11) for e in range(2)] for r in range(2)]
         a16_pipe.consumer_wait(a16_state)
         # The previous chunk's fp16 A buffer, released at t == 1 below once its wgmmas have retired. A tile's
-        # first chunk releases the spare barrier after the ring instead (index num_a16): the tile before
-        # released its last buffer after its final wait; a select, not a branch (see consume_tile's NOTES).
-        # the buffer of this pair's previous chunk: chunk - 1 (chunk - 2 with consumer_pairs = 2)
+        # first chunk releases its pair's spare barrier after the ring instead (`spare`: index num_a16 + pair):
+        # the tile before released its last buffer after its final wait; a select, not a branch (see
+        # consume_tile's NOTES). The buffer of this pair's previous chunk: chunk - 1 (chunk - 2 with
+        # consumer_pairs = 2).
         prev_index = ring_state(chunk + self.num_a16 - self.pairs, self.num_a16).index
-        prev_state = pipeline.PipelineState(self.num_a16, chunk, first * self.num_a16 + (1 - first) * prev_index, 0)
+        prev_state = pipeline.PipelineState(self.num_a16, chunk, first * spare + (1 - first) * prev_index, 0)
 
         # -- per quarter (32 k = word t of each row): dequantize into the register fragment and issue
         # 2 k-steps of wgmma; a fragment buffer is rewritten two quarters later.
