@@ -982,37 +982,44 @@ class Sm90AConvertKernel:
 def sm90_convert_a_items(ptrs: cute.Tensor, sizes: cute.Tensor, a16_base, num_groups: cutlass.Constexpr[int],
                          first, stride):
     """Items first, first + stride, ... of the items of all groups in a row (`Sm90AConvertKernel` says what an
-    item is): the GEMM's fused conversion, each of its threads a strided share of the whole.
+    item is): the GEMM's fused conversion, each of its threads a strided share of the whole. Item p (counted
+    across groups) lands at a16_base + 64 p: a group's fp16 A is its items in order, 64 bytes each, the groups
+    back to back (`sm90_a16_group_offset`).
 
-    NOTES: the thread's position runs on across groups (`local`, relative to the current group's first item);
-    restarting it at each group left every group's items to the first CTAs only (measured: the fused call
-    7.5 / 11 us slower than the separate conversion launch on the two G = 8 benchmarks). Lane j of each warp
-    loads group g0 + j's sizes and the group loop takes them by shuffle, so no dependent global load sits
-    in the group loop."""
+    Per 32 groups, lane j takes group g0 + j's item count and the warp an inclusive scan of them (shuffles);
+    each lane then finds the group of each of its items among those 32 by a binary search over the scan (five
+    shuffles). A thread's cost is G / 32 scans plus its own items, two at a time (their loads in flight together).
+    NOTES: every thread used to walk every group (the sizes by shuffle, the split of its share by a division
+    per group): at G = 128 / 256 that walk took about a tenth of the MoE decode calls' time on Qwen3-30B-A3B
+    (ncu source counters, H100; docs/HOPPER_NOTES.md v30)."""
     lane = cute.arch.lane_idx()
-    group_base = a16_base
-    local = first
+    done = cutlass.Int32(0)  # the items of the groups before g0
+    pos = first  # this thread's next item
     for g0 in cutlass.range(0, num_groups, 32, unroll=1):
-        lane_m = cutlass.Int32(0)
+        count = cutlass.Int32(0)
         lane_k = cutlass.Int32(0)
         if g0 + lane < num_groups:
-            lane_m = sizes[g0 + lane, int(SizeColumn.M)]
             lane_k = sizes[g0 + lane, int(SizeColumn.K)]
-        for j in cutlass.range(0, min(32, num_groups), unroll=1):
-            g = g0 + j
-            m = cute.arch.shuffle_sync(lane_m, j)
-            k = cute.arch.shuffle_sync(lane_k, j)
-            if g < num_groups:
-                num_items = m * (k // 128) * 4
-                for item in cutlass.range(local, num_items, stride, unroll=2):
-                    sm90_convert_a_item(ptrs, g, k, item, group_base)
-                # this thread's next item, relative to the next group's first
-                left = num_items - local
-                taken = cutlass.Int32(0)
-                if left > 0:
-                    taken = (left + stride - 1) // stride
-                local = local + taken * stride - num_items
-                group_base = group_base + cutlass.Int64(m) * k * 2
+            count = sizes[g0 + lane, int(SizeColumn.M)] * (lane_k // 128) * 4
+        incl = count  # items of groups g0 .. g0 + lane
+        for d in cutlass.range_constexpr(5):
+            below = cute.arch.shuffle_sync(incl, (lane - (1 << d)) & 31)
+            incl = incl + below * cutlass.Int32(lane >= (1 << d))
+        end = done + cute.arch.shuffle_sync(incl, 31)
+        while cute.arch.vote_any_sync(pos < end):
+            for u in cutlass.range_constexpr(2):
+                item = pos + u * stride
+                # the first lane j whose groups' items run past `item` (lanes of empty groups never are)
+                j = cutlass.Int32(0)
+                for step in cutlass.range_constexpr(4, -1, -1):
+                    j = j + (1 << step) * cutlass.Int32(done + cute.arch.shuffle_sync(incl, j + (1 << step) - 1) <= item)
+                k = cute.arch.shuffle_sync(lane_k, j)
+                group_first = done + cute.arch.shuffle_sync(incl - count, j)
+                if item < end:
+                    sm90_convert_a_item(ptrs, g0 + j, k, item - group_first,
+                                        a16_base + cutlass.Int64(group_first) * 64)
+            pos = pos + stride * (cutlass.Int32(pos < end) + cutlass.Int32(pos + stride < end))
+        done = end
 
 
 @cute.jit
