@@ -15,9 +15,9 @@ other parts' fp32 partials in the workspace: `Sm90BlockScaledGroupedGemmKernel.s
 copies are the DSL's pipeline classes and TMA atoms, as on Blackwell; inline PTX is left for the operand
 conversions and hand-addressed shared memory. `sm90_tile128` uses 128-row tiles on the round-robin
 `GroupTileScheduler` and converts A in a transform warpgroup of every CTA. `sm90_a16_narrow` is the M-exact
-kernel built for tiles 16-64 rows wide, for MoE experts with a few tokens each; `sm90_auto` takes it where
-the non-empty groups average at most `SM90_NARROW_MEAN_ROWS` rows. `sm90_a16_pairs` (a lever, never chosen by
-`sm90_auto`) is that kernel at widths 16-32 with two pairs of consumer warpgroups sharing each tile's chunks.
+kernel built for tiles 16-64 rows wide, for MoE experts with a few tokens each; `sm90_a16_pairs` is that
+kernel at widths 16-32 with two pairs of consumer warpgroups sharing each tile's chunks, which `sm90_auto`
+takes where the non-empty groups average at most `SM90_NARROW_MEAN_ROWS` rows.
 
 What this module shares with the B200 kernels, from submission.py: the host path (constraint check,
 pointer/size tables, launch-metadata and compile caches, the prepared-call fast path, the launch paths), the
@@ -69,7 +69,8 @@ _OperandMajorMode = getattr(cute.nvgpu, "OperandMajorMode", None) or warpgroup.O
 # takes the widths between its min_width and max_width; each is its own compiled mainloop, chosen per tile at
 # run time. 192 is the widest whose three fp16 A buffers (48 KB each) fit in shared memory beside the B
 # stages and the epilogue slabs. A kernel built for widths up to 128 fits four 32 KB buffers instead: a
-# deeper A prefetch. The narrow build (16-64) is for experts with few tokens (`SM90_NARROW_MEAN_ROWS`).
+# deeper A prefetch. The narrow builds (16-64, and 16-32 with consumer pairs) are for experts with few tokens
+# (`SM90_NARROW_MEAN_ROWS`).
 # NOTES: at most five widths per build: with a sixth mainloop (32 beside 64-192) ptxas serialized every wgmma
 # of the kernel ("insufficient register resources", C7512; tests/test_build.py checks the SASS for it). No
 # width 8: DSL 4.3.5 rejects the register-sourced 64x8x16 wgmma of this kernel at IR verification ("'cute.gemm'
@@ -86,8 +87,10 @@ def sm90_widths(max_width: int, min_width: int = SM90_DEFAULT_WIDTHS[0]) -> tupl
     return tuple(w for w in SM90_WIDTHS if min_width <= w <= max_width)
 
 
-# `sm90_auto` takes the narrow build (widths 16-64) where the non-empty groups average at most this many rows.
-# NOTES: measured on the H200 (DSL 4.3.5, docs/HOPPER_NOTES.md v23), the narrow build against the wide builds
+# `sm90_auto` takes the consumer-pairs build (widths 16-32) where the non-empty groups average at most this many
+# rows. NOTES: it measured 6-8 % faster than the narrow build (widths 16-64, one consumer pair) on the three
+# DeepSeek-V3 decode cases (H100, DSL 4.5.2, docs/HOPPER_NOTES.md v29), and 6-7 % slower on Qwen3's 32 rows
+# per expert, where the wide builds run. Measured on the H200 (DSL 4.3.5, v23), the narrow build against the wide builds
 # on the five MoE decode cases of bench.py --moe: 17-19 % faster on the three DeepSeek-V3 ones (8.4 and 3.2
 # rows per active expert), 7 % faster on Qwen3 down and 2 % slower on Qwen3 up (32.5 rows). The benchmarks
 # and task.yml shapes (40-512 rows) keep the wide builds. Its weight ring stays at 4 stages: 12 stages
@@ -132,13 +135,13 @@ class Sm90GemmConfig:
     min_width: m_exact only: the narrowest tile (one of SM90_WIDTHS); the build's widths are those of
       SM90_WIDTHS from min_width to max_width (at most SM90_MAX_BUILD_WIDTHS). Below 32, the fp16 A loads and
       the C^T stores go as min_width-row TMA boxes (else 32).
-    consumer_pairs: 1, or 2 (a lever, m_exact with widths up to 32 only): two pairs of consumer warpgroups
+    consumer_pairs: 1, or 2 (m_exact with widths up to 32 only: `sm90_a16_pairs`): two pairs of consumer warpgroups
       per CTA, the pair p consuming the chunks of every tile whose index has parity p; at a tile's end pair 1
       hands its fp32 accumulator to pair 0 through shared memory, which adds it and stores the tile. Twice the
       consumer warps per SM for the same tiles and plan (the transform warpgroup, idle with the prepass, is
       left out: 640 threads, consumers at 112 registers; docs/HOPPER_NOTES.md v29).
     a16_buffers: fp16 A buffers (0: as many as fit beside the stages, at most 4); with consumer_pairs = 2 each
-      pair has about half of them ahead of its chunks.
+      pair has about half of them ahead of its chunks (`sm90_a16_pairs` takes 8: 14 % faster than with 4).
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
@@ -188,10 +191,10 @@ SM90_VARIANT_CONFIGS = {
     "sm90_a16_mexact": Sm90GemmConfig(a16_prepass=True, m_exact=True),
     "sm90_a16_mexact128": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=128),
     "sm90_a16_narrow": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=64, min_width=16),
-    # a lever, not chosen by sm90_auto until measured: twice the consumer warps per SM; 8 stages and 8 fp16 A
-    # buffers, so that each pair has as many of its chunks in flight as the narrow build's consumers have with 4
-    # (with 4 A buffers it measured 8-10 % slower than narrow on the DeepSeek-V3 decode cases, with 8 6-8 % faster:
-    # H100, docs/HOPPER_NOTES.md v29)
+    # sm90_auto's build for experts with a few rows each: twice the consumer warps per SM; 8 stages and 8 fp16
+    # A buffers, so that each pair has as many of its chunks in flight as the narrow build's consumers have with
+    # 4 (with 4 A buffers it measured 8-10 % slower than narrow on the DeepSeek-V3 decode cases, with 8 6-8 %
+    # faster: H100, docs/HOPPER_NOTES.md v29)
     "sm90_a16_pairs": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=32, min_width=16, consumer_pairs=2,
                                      num_stages=8, a16_buffers=8),
 }
@@ -202,8 +205,9 @@ def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
     level with every other variant on each benchmark (docs/HOPPER_NOTES.md v11); their plan
     (`plan_sm90_work`) already weighs tile widths and split-K against filling the SMs.
     - Experts with a few tokens each (the non-empty groups average at most `SM90_NARROW_MEAN_ROWS` rows):
-      `sm90_a16_narrow` (tiles 16-64 rows wide), measured 17-19 % faster on the DeepSeek-V3 decode cases
-      (docs/HOPPER_NOTES.md v23).
+      `sm90_a16_pairs` (tiles 16-32 rows wide, two consumer pairs), measured 6-8 % faster than
+      `sm90_a16_narrow` (16-64, docs/HOPPER_NOTES.md v29), which was 17-19 % faster than the wide builds on
+      the DeepSeek-V3 decode cases (v23).
     - Else the build for widths up to 128 (`sm90_a16_mexact128`, one fp16 A buffer more: a deeper A prefetch
       the plan's model does not see) wherever its plan's predicted makespan is no longer than the widest
       build's; else `sm90_a16_mexact`. Measured on the H200 (docs/HOPPER_NOTES.md v17, v22): equal plans
@@ -218,7 +222,7 @@ def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
 def _choose_sm90_config(sizes: tuple, num_sms: int) -> Sm90GemmConfig:
     """`choose_sm90_config` once per problem shape (comparing two plans is O(tiles))."""
     if sizes and sum(size[0] for size in sizes) <= SM90_NARROW_MEAN_ROWS * len(sizes):
-        return SM90_VARIANT_CONFIGS["sm90_a16_narrow"]
+        return SM90_VARIANT_CONFIGS["sm90_a16_pairs"]
     wide, mid = SM90_VARIANT_CONFIGS["sm90_a16_mexact"], SM90_VARIANT_CONFIGS["sm90_a16_mexact128"]
     if sizes and (plan_sm90_work(sizes, num_sms, mid.widths, mid.split_k).makespan
                   <= plan_sm90_work(sizes, num_sms, wide.widths, wide.split_k).makespan):
@@ -1012,7 +1016,8 @@ def sm90_convert_a_items(ptrs: cute.Tensor, sizes: cute.Tensor, a16_base, num_gr
                 # the first lane j whose groups' items run past `item` (lanes of empty groups never are)
                 j = cutlass.Int32(0)
                 for step in cutlass.range_constexpr(4, -1, -1):
-                    j = j + (1 << step) * cutlass.Int32(done + cute.arch.shuffle_sync(incl, j + (1 << step) - 1) <= item)
+                    through = done + cute.arch.shuffle_sync(incl, j + (1 << step) - 1)  # items to lane j + 2^step - 1
+                    j = j + (1 << step) * cutlass.Int32(through <= item)
                 k = cute.arch.shuffle_sync(lane_k, j)
                 group_first = done + cute.arch.shuffle_sync(incl - count, j)
                 if item < end:
