@@ -89,13 +89,13 @@ def sm90_widths(max_width: int, min_width: int = SM90_DEFAULT_WIDTHS[0]) -> tupl
 
 # `sm90_auto` takes the consumer-pairs build (widths 16-32) where the non-empty groups average at most this many
 # rows. NOTES: it measured 6-8 % faster than the narrow build (widths 16-64, one consumer pair) on the three
-# DeepSeek-V3 decode cases (H100, DSL 4.5.2, docs/HOPPER_NOTES.md v29), and 6-7 % slower on Qwen3's 32 rows
-# per expert, where the wide builds run. Measured on the H200 (DSL 4.3.5, v23), the narrow build against the wide builds
-# on the five MoE decode cases of bench.py --moe: 17-19 % faster on the three DeepSeek-V3 ones (8.4 and 3.2
-# rows per active expert), 7 % faster on Qwen3 down and 2 % slower on Qwen3 up (32.5 rows). The benchmarks
-# and task.yml shapes (40-512 rows) keep the wide builds. Its weight ring stays at 4 stages: 12 stages
-# measured 1-3 % slower on all five (with the fp16 A loads in a warp of their own too, a form that was also
-# wrong on two benchmark shapes and was removed), so weight bytes in flight are not what holds it back.
+# DeepSeek-V3 decode cases (H100, DSL 4.5.2, docs/HOPPER_NOTES.md v29), and 4-6 % slower on Qwen3's 32 rows per
+# expert, where the wide builds run. Measured on the H200 (DSL 4.3.5, v23), the narrow build against the wide builds
+# on the five MoE decode cases of bench.py --moe: 17-19 % faster on the three DeepSeek-V3 ones (8.4 and 3.2 rows per
+# active expert), 7 % faster on Qwen3 down and 2 % slower on Qwen3 up (32.5 rows). The benchmarks and task.yml
+# shapes (40-512 rows) keep the wide builds. Its weight ring stays at 4 stages: 12 stages measured 1-3 % slower on
+# all five (with the fp16 A loads in a warp of their own too, a form that was also wrong on two benchmark shapes and
+# was removed), so weight bytes in flight are not what holds it back.
 SM90_NARROW_MEAN_ROWS = 16
 # Cost of one 128-k chunk of an M-exact tile, in rows of MMA: its W rows plus the B conversion and
 # pipeline work that does not shrink with W (H200: a 128-row a16 chunk took 0.86 us, 0.67 us of it MMA).
@@ -993,9 +993,11 @@ def sm90_convert_a_items(ptrs: cute.Tensor, sizes: cute.Tensor, a16_base, num_gr
     Per 32 groups, lane j takes group g0 + j's item count and the warp an inclusive scan of them (shuffles);
     each lane then finds the group of each of its items among those 32 by a binary search over the scan (five
     shuffles). A thread's cost is G / 32 scans plus its own items, two at a time (their loads in flight together).
-    NOTES: every thread used to walk every group (the sizes by shuffle, the split of its share by a division
-    per group): at G = 128 / 256 that walk took about a tenth of the MoE decode calls' time on Qwen3-30B-A3B
-    (ncu source counters, H100; docs/HOPPER_NOTES.md v30)."""
+    NOTES: the items are numbered across groups, so every CTA takes a share of each group (a position restarted at
+    each group left every group's items to the first CTAs: the fused call measured 7.5 / 11 us slower than the
+    separate conversion launch on the two G = 8 benchmarks). Every thread used to walk every group (the sizes by
+    shuffle, the split of its share by a division per group): at G = 128 / 256 that walk took about a tenth of the
+    MoE decode calls' time on Qwen3-30B-A3B (ncu source counters, H100; docs/HOPPER_NOTES.md v30)."""
     lane = cute.arch.lane_idx()
     done = cutlass.Int32(0)  # the items of the groups before g0
     pos = first  # this thread's next item
