@@ -1073,7 +1073,9 @@ class Sm90BlockScaledGroupedGemmKernel:
     Registers (setmaxnreg): producer 24, transform 64, consumers 208 (prepass: 24, 24, 232; consumer_pairs = 2:
     producer 24, no transform warpgroup, four consumer warpgroups at 112).
     Shared memory: 4 stages (18 KB; prepass 9 KB) + fp16 A buffers of tile_m x 128 k (32 KB; m_exact up to
-    192 rows 48 KB), as many as fit up to 4 (`num_a16`: 3 without the prepass or at 192 rows, else 4)
+    192 rows 48 KB), as many as fit up to 4 (`num_a16`: 3 without the prepass or at 192 rows, else 4), or
+    `Sm90GemmConfig.a16_buffers` of them (`sm90_a16_pairs`: 8 stages and 8 buffers of 8 KB, beside pair 1's
+    fp32 hand-over slabs)
     + 2 x 16 KB epilogue: ~205 KB without the prepass, 213 / 196 KB for m_exact up to 192 / 128 rows.
     Named barriers: EPILOGUE_BARRIER + consumer index (128 threads each); consumer_pairs = 2 also
     EXCHANGE_BARRIER + 0..3 (`join_pairs`, 256 threads each).
@@ -1134,8 +1136,9 @@ class Sm90BlockScaledGroupedGemmKernel:
         self.stage_bytes = self.b_bytes + self.a_stage_bytes + self.sf_stage_bytes  # the TMA bytes of a stage
         # fp16 A buffers: as many as fit beside the stages and the epilogue slabs (barriers and alignment
         # padding in SMEM_SLACK), at most 4: 3 of 48 KB (m_exact up to 192 rows, or no prepass), 4 of 32 KB
-        # otherwise. A buffer is refilled only after the wgmmas that read it retire, so the deeper ring loads A
-        # further ahead (measured: 4 instead of 3 buffers, 5 % / 3 % faster on bench2 / bench3).
+        # otherwise; or the config's `a16_buffers`. A buffer is refilled only after the wgmmas that read it
+        # retire, so the deeper ring loads A further ahead (measured: 4 instead of 3 buffers, 5 % / 3 % faster on
+        # bench2 / bench3; 8 instead of 4 for the consumer pairs, 14 %).
         self.pairs = config.consumer_pairs
         # consumer_pairs = 2: pair 1's fp32 accumulator, [v4 j][thread] of 16 bytes, per consumer warpgroup
         self.x_bytes = 64 * self.tile_m * 4 if self.pairs == 2 else 0
