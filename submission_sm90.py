@@ -781,12 +781,20 @@ def ld_shared_v4_f32(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def st_shared_f16_scaled(addr, acc_value, *, loc=None, ip=None):
-    """Stores fp16(acc * 2^14) (undoes the 2^-14 of the operand encoding; exact)."""
-    _asm(None, [_i32(addr, loc, ip), cutlass.Float32(acc_value).ir_value(loc=loc, ip=ip)],
-         "{\n.reg .b16 h;\n.reg .f32 f;\nmul.f32 f, $1, 0f46800000;\ncvt.rn.f16.f32 h, f;\n"
-         "st.shared.b16 [$0], h;\n}",
-         "r,f,~{memory}", True, loc, ip)
+def stmatrix_f16_scaled(addr, values, *, loc=None, ip=None):
+    """`stmatrix .trans` of four 8 x 8 fp16 matrices: matrix i's fragment register is
+    fp16x2(values[2 i] * 2^14, values[2 i + 1] * 2^14), the low half first (the 2^14 undoes the operand
+    encoding's 2^-14; exact). Lanes 8 i to 8 i + 7 give the addresses of matrix i's 16-byte rows; a row holds
+    one fragment column (.trans)."""
+    assert len(values) == 8
+    regs = "h0, h1, h2, h3"
+    ptx = "{\n.reg .b32 " + regs + ";\n.reg .f32 lo, hi;\n"
+    for i in range(4):
+        ptx += (f"mul.f32 lo, ${1 + 2 * i}, 0f46800000;\nmul.f32 hi, ${2 + 2 * i}, 0f46800000;\n"
+                f"cvt.rn.f16x2.f32 h{i}, hi, lo;\n")
+    ptx += f"stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {{{regs}}};\n}}"
+    _asm(None, [_i32(addr, loc, ip)] + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values], ptx,
+         ",".join(["r"] + ["f"] * len(values)) + ",~{memory}", True, loc, ip)
 
 
 @dsl_user_op
@@ -1214,7 +1222,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         """Shared-memory layout of one TMA box per descriptor slot (A, B, C^T): what the atoms are built for
         and what the kernel's shared-memory views are tiled from. A: fp16 box_rows x 64 k (128-byte swizzle)
         with the prepass, else fp4 128 rows x 128 k (64 bytes, 64-byte swizzle); B: fp4 tile_n rows x 128 k;
-        C^T: 64 n x box_rows m, n contiguous."""
+        C^T: 64 n x box_rows m, n contiguous (128-byte rows, 128-byte swizzle: the epilogue's stmatrix rows)."""
         fp4_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, cutlass.Uint8)
         if cutlass.const_expr(self.prepass):
             a16_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float16)
@@ -1222,7 +1230,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         else:
             a_box = cute.tile_to_shape(fp4_atom, (128, 64), order=(0, 1))
         b_box = cute.tile_to_shape(fp4_atom, (self.tile_n, 64), order=(0, 1))
-        c_box = cute.make_layout((64, self.box_rows), stride=(1, 64))
+        c_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, cutlass.Float16)
+        c_box = cute.tile_to_shape(c_atom, (64, self.box_rows), order=(0, 1))
         return a_box, b_box, c_box
 
     def tma_setup(self) -> tuple:
@@ -1408,8 +1417,9 @@ class Sm90BlockScaledGroupedGemmKernel:
         tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), sA,
                                            cute.group_modes(cute.local_tile(g_a, a_tile, (None, None)), 0, 2))
         # (box, box within a slab, consumer warpgroup): the epilogue slabs as box_rows-row boxes of C^T
-        sC = storage.sC.get_tensor(cute.make_layout((c_box.shape, 128 // self.box_rows, 2),
-                                                    stride=(c_box.stride, self.box_rows * 64, self.C_BYTES // 2)))
+        sC = storage.sC.get_tensor(cute.make_layout((c_box.outer.shape, 128 // self.box_rows, 2),
+                                                    stride=(c_box.outer.stride, self.box_rows * 64,
+                                                            self.C_BYTES // 2)), swizzle=c_box.inner)
         gC = cute.group_modes(cute.local_tile(g_c, (64, self.box_rows), (None, None)), 0, 2)  # (box, RestN, RestM)
         tCsC, tCgC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), sC, gC)
         swizzle = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float16).inner
@@ -1786,21 +1796,28 @@ class Sm90BlockScaledGroupedGemmKernel:
     @cute.jit
     def epilogue(self, width: int, acc, desc_c, m0, n_tile, wg, w, tid, tma_c, tCsC, tCgC, c_store,
                  epilogue_barrier, smem):
-        """Per pass of at most 128 rows of A: acc -> fp16 slab [m][n] in shared memory -> TMA stores of
-        box_rows x 64 boxes of C^T."""
+        """Per pass of at most 128 rows of A: acc -> fp16 slab [m][n] in shared memory (128-byte rows of 64 n,
+        128-byte swizzle) by stmatrix -> TMA stores of box_rows x 64 boxes of C^T.
+
+        NOTES: value v of the accumulator is n 16 w + lane / 4 + 8 h, m 8 q + 2 (lane % 4) + v % 2, where
+        q = v / 4 and h = (v / 2) % 2: per (q, h) an 8 x 8 block in the m8n8 fragment order, n its rows and m
+        its columns. `stmatrix .trans` writes it as 8 slab rows m of 16 bytes (8 n), 16-byte chunk 2 w + h
+        swizzled by m % 8, so the 8 rows of a matrix fill all 32 banks: one wavefront per matrix, where one
+        16-bit store per value with 4-way bank conflicts made 8 per matrix (docs/HOPPER_NOTES.md v31)."""
         lane = tid % 32
         c_slab = smem.c + wg * self.C_BYTES
         n0 = n_tile * self.tile_n + 64 * wg
+        row = lane % 8  # the slab row (m % 8) whose address this lane gives
         for p in cutlass.range_constexpr((width + 127) // 128):
             rows = min(128, width - 128 * p)
             if w == 0:
                 c_store.producer_acquire()  # the previous store has read the slab (no-op when none is pending)
             cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
-            # value v of the accumulator: n 16 w + lane / 4 + 8 ((v / 2) % 2), m 2 (lane % 4) + v % 2 + 8 (v / 4)
-            for v in cutlass.range_constexpr(64 * p, 64 * p + rows // 2):
-                n_local = 16 * w + lane // 4 + 8 * ((v // 2) % 2)
-                m_local = 2 * (lane % 4) + (v % 2) + 8 * (v // 4) - 128 * p
-                st_shared_f16_scaled(c_slab + (m_local * 64 + n_local) * 2, acc[v])
+            # per instruction the four matrices of blocks q = 2 j, 2 j + 1 (h = 0, 1 each): widths are multiples
+            # of 16 (SM90_WIDTHS)
+            for j in cutlass.range_constexpr(rows // 16):
+                addr = c_slab + (16 * j + 8 * (lane // 16) + row) * 128 + ((2 * w + (lane // 8) % 2) ^ row) * 16
+                stmatrix_f16_scaled(addr, [acc[64 * p + 8 * j + e] for e in range(8)])
             fence_smem_for_async_proxy()
             cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
             if w == 0:
