@@ -126,6 +126,7 @@ SASS_MEANING = {
     "UTMASTG": "TMA stores",
     "UTCCP": "tcgen05 copies (scales into tensor memory)",
     "HGMMA": "wgmma instructions",
+    "STSM": "stmatrix stores (the Hopper epilogue's fp16 slab)",
     "WGDEP1": "wgmma waits that leave one group in flight (0: ptxas serialized the wgmmas)",
     "PR2UR": "R2UR under a lane predicate (an illegal instruction on sm_90a: must be 0)",
     "STG": "plain global stores",
@@ -138,7 +139,7 @@ SASS_OPS = tuple(SASS_MEANING)
 # The columns of each arch's table: its own instructions only.
 ARCH_SASS_OPS = {
     "sm_100a": ("UTCOMMA", "UTCQMMA", "UTMALDG", "UTMASTG", "UTCCP", "STG", "LDL", "STL", "PREEXIT", "ACQBULK"),
-    "sm_90a": ("HGMMA", "WGDEP1", "UTMALDG", "UTMASTG", "STG", "LDL", "STL", "PREEXIT", "ACQBULK", "PR2UR"),
+    "sm_90a": ("HGMMA", "WGDEP1", "STSM", "UTMALDG", "UTMASTG", "STG", "LDL", "STL", "PREEXIT", "ACQBULK", "PR2UR"),
 }
 
 
