@@ -114,8 +114,18 @@ def clear_l2_cache() -> None:
 
 
 _L2_FLUSH_BUFFER: list = []
-_L2_FLUSH_FLOATS = 16000 * 1024 * 1024  # the runner's 64 GB of float32
-_L2_FLUSH_HEADROOM = 24 << 30  # left free for the benchmark's inputs and peers when the card is smaller
+L2_FLUSH_FLOATS = 16000 * 1024 * 1024  # the runner's 64 GB of float32
+L2_FLUSH_HEADROOM = 24 << 30  # left free for the benchmark's inputs and peers when the card is smaller
+
+
+def l2_flush_floats(free_bytes: int) -> int:
+    """The float32 count of `clear_l2_cache_large`'s tensor on a card with `free_bytes` free: the runner's
+    64 GB, or what leaves L2_FLUSH_HEADROOM free (at least 1 GiB, else a RuntimeError)."""
+    floats = min(L2_FLUSH_FLOATS, (free_bytes - L2_FLUSH_HEADROOM) // 4)
+    if floats < (1 << 30) // 4:
+        raise RuntimeError(f"clear_l2_cache_large: {free_bytes / 2**30:.1f} GiB free, too little for a 1 GiB flush "
+                           f"beside {L2_FLUSH_HEADROOM >> 30} GiB of headroom")
+    return floats
 
 
 def clear_l2_cache_large() -> None:
@@ -124,16 +134,13 @@ def clear_l2_cache_large() -> None:
     The tensor is allocated once and refilled in place: the same work on the device as the runner's fresh
     `torch.randn` (whose memory its caching allocator hands back on every call anyway), without later
     allocations splitting the cached block. On a card without 64 GB to spare beside 24 GB of headroom (an 80 GB
-    one) the tensor is smaller, said once on stderr: any flush of a few GB still evicts the L2 many times over
-    and takes milliseconds, so the timed calls still queue behind it as they do on the runner.
+    one) the tensor is smaller (`l2_flush_floats`), said once on stderr: any flush of a few GB still evicts the
+    L2 many times over and takes milliseconds, so the timed calls still queue behind it as they do on the runner.
     """
     if not _L2_FLUSH_BUFFER:
-        free, _ = torch.cuda.mem_get_info()
-        floats = min(_L2_FLUSH_FLOATS, (free - _L2_FLUSH_HEADROOM) // 4)
-        if floats < (1 << 30) // 4:
-            raise RuntimeError(f"clear_l2_cache_large: {free / 2**30:.1f} GiB free, too little for a 1 GiB flush")
-        if floats < _L2_FLUSH_FLOATS:
+        floats = l2_flush_floats(torch.cuda.mem_get_info()[0])
+        if floats < L2_FLUSH_FLOATS:
             print(f"clear_l2_cache_large: {floats * 4 / 2**30:.1f} GiB flush (the runner's 62.5 GiB does not fit "
-                  f"beside {_L2_FLUSH_HEADROOM >> 30} GiB of headroom on this card)", file=sys.stderr)
+                  f"beside {L2_FLUSH_HEADROOM >> 30} GiB of headroom on this card)", file=sys.stderr)
         _L2_FLUSH_BUFFER.append(torch.empty(floats, device="cuda"))
     _L2_FLUSH_BUFFER[0].normal_()

@@ -240,3 +240,17 @@ def test_variants_run_once_each(monkeypatch, capsys):
     assert rc == 0
     assert "== kernel variant persistent" in out and "== kernel variant seed" in out
     assert seen == ["seed"] * 10 + ["persistent"] * 10
+
+
+def test_l2_flush_is_the_runners_where_it_fits_and_leaves_headroom_elsewhere():
+    import utils
+
+    gib = 1 << 30
+    # an H200 / B200: the runner's 62.5 GiB
+    assert utils.l2_flush_floats(139 * gib) == utils.L2_FLUSH_FLOATS == 16000 * 1024 * 1024
+    # an 80 GB card: what leaves the headroom free
+    floats = utils.l2_flush_floats(78 * gib)
+    assert floats * 4 + utils.L2_FLUSH_HEADROOM == 78 * gib and floats < utils.L2_FLUSH_FLOATS
+    # under 1 GiB beside the headroom: refused, not a flush too small to evict the L2 and hide the launches
+    with pytest.raises(RuntimeError, match="too little"):
+        utils.l2_flush_floats(utils.L2_FLUSH_HEADROOM + gib // 2)
