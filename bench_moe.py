@@ -303,6 +303,38 @@ class MoeRow:
 BUSY_CYCLES = 40_000_000
 
 
+class DeviceWaitProbe:
+    """Taken right after the device work queued before a re-routed call: `note` afterwards says, where that
+    work had finished by the time the call returned (so the call ran past it, or waited for the device), how
+    many device allocations and allocator retries the call made (a retry frees the allocator's cache, and
+    freeing device memory waits for the device): the facts to tell a slow host path from a wait."""
+
+    STATS = ("num_device_alloc", "num_alloc_retries")
+
+    def __init__(self):
+        self.queued = torch.cuda.Event()
+        self.queued.record()
+        self.stats = self._stats()
+
+    @classmethod
+    def _stats(cls) -> tuple:
+        stats = torch.cuda.memory_stats()
+        return tuple(stats.get(key, 0) for key in cls.STATS)
+
+    def note(self, what: str, host_ms: float) -> Optional[str]:
+        if not self.queued.query():
+            return None
+        allocs, retries = (after - before for after, before in zip(self._stats(), self.stats))
+        return wait_note(what, host_ms, allocs, retries)
+
+
+def wait_note(what: str, host_ms: float, allocs: int, retries: int) -> str:
+    """The note of a re-routed call by the end of which the device work queued before it had finished."""
+    return (f"{what}: {host_ms:.1f} ms on the host, and the ~{BUSY_CYCLES / 1.98e6:.0f} ms of device work queued "
+            f"before it had finished by its end; in the call {allocs} device allocations (cudaMalloc) and "
+            f"{retries} allocator retries (a retry frees the cache, which waits for the device)")
+
+
 def profile_lines(fn: Callable[[], object], top: int = 15) -> list:
     """Runs fn once under cProfile: the `top` entries by cumulative time (pstats' table), as lines."""
     profiler = cProfile.Profile()
@@ -343,9 +375,14 @@ def run_case(case: MoeCase, submission, calls: int, patterns: int, device, notes
         before = count() if count else 0
         sync()
         keep_gpu_busy()  # a call that waited for the device would wait for this too
+        probe = DeviceWaitProbe() if on_gpu else None
         start = time.perf_counter()
         out = submission.custom_kernel(other)
         row.later_host_ms.append((time.perf_counter() - start) * 1e3)
+        if probe is not None:
+            note = probe.note(f"{case.name} re-routed call {p}", row.later_host_ms[-1])
+            if note:
+                notes.append(note)
         sync()
         later += count() - before if count else 0
         row.worst = max(row.worst, worst_error_ratio(other, out))

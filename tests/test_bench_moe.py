@@ -256,3 +256,30 @@ def test_moe_mode_hands_its_options_over_with_the_dsl_disk_cache_off(monkeypatch
                                                       "--moe-patterns", "0"]) == 0
     assert seen == [(None, 20, 3), ("qwen3-up-512", 7, 0)]
     assert os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] == "1"
+
+
+class _Event:
+    done = False
+
+    def record(self):
+        pass
+
+    def query(self):
+        return self.done
+
+
+def test_a_re_routed_call_that_outlasted_the_queued_work_gets_a_note_with_its_allocations(monkeypatch):
+    stats = iter([{"num_device_alloc": 5, "num_alloc_retries": 0}, {"num_device_alloc": 7, "num_alloc_retries": 1},
+                  {"num_device_alloc": 7}])
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: next(stats))
+    probe = bm.DeviceWaitProbe()
+    assert probe.note("x", 3.0) is None  # the queued work still ran when the call returned: no note
+    _Event.done = True
+    try:
+        note = probe.note("dsv3-down-256 re-routed call 1", 41.6)
+    finally:
+        _Event.done = False
+    assert note.startswith("dsv3-down-256 re-routed call 1: 41.6 ms on the host")
+    assert "2 device allocations" in note and "1 allocator retries" in note
+    assert bm.DeviceWaitProbe().stats == (7, 0)  # a counter this torch lacks counts as zero, not an error
