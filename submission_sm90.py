@@ -491,6 +491,21 @@ class Sm90BulkPlan:
 SM90_BULK_TAIL_LAPS = 2
 
 
+def _segments(counts: torch.Tensor) -> tuple:
+    """Segments of `counts[i]` elements each (int64, zeros allowed), end to end: per element its segment i
+    and its index within it, two int64 tensors of counts.sum() elements.
+
+    NOTES: what torch.repeat_interleave(arange, counts) and arange - repeat_interleave(starts, counts) give,
+    but by bincount and cumsum, which run on one thread. repeat_interleave opens a parallel region whatever
+    its size: on a 2-core host with another process busy, 0.5-3.6 ms per call where one thread took 25 µs,
+    and the re-routed call's host path twice as long in all (docs/HOPPER_NOTES.md v32)."""
+    total = int(counts.sum())
+    starts = torch.cumsum(counts, 0) - counts
+    # segment i of an element: how many segments after the first start at or before it
+    segment = torch.cumsum(torch.bincount(starts[1:], minlength=total + 1)[:total], 0)
+    return segment, torch.arange(total) - starts[segment]
+
+
 def _sm90_bulk_plan(problem_sizes: tuple, num_sms: int, widths: tuple) -> Optional[Sm90BulkPlan]:
     """The plan where whole tiles are more than SM90_SIMULATED_TILES_PER_CTA per CTA and none costs more than
     a CTA's mean load; None elsewhere (`plan_sm90_work` then searches). There the predicted makespan is the
@@ -512,29 +527,28 @@ def _sm90_bulk_plan(problem_sizes: tuple, num_sms: int, widths: tuple) -> Option
     # covers M with that many tiles (`_sm90_split_width`), as an index into `widths`
     count = ((m[:, None] + w - 1) // w).flip(1)
     width_index = (w * count[:, :, None] >= m[:, None, None]).int().argmax(-1)
-    tile_cost = costs[k_index[:, None], width_index]
+    tile_cost = costs.index_select(0, k_index).gather(1, width_index)
     pick = (count * n_tiles[:, None] * tile_cost).argmin(1, keepdim=True)  # the first of equal costs: fewest tiles
     count, width_index, tile_cost = (t.gather(1, pick)[:, 0] for t in (count, width_index, tile_cost))
-    width = w[width_index]
+    width = w.index_select(0, width_index)
     tiles = count * n_tiles
     num_tiles = int(tiles.sum())
     grid = min(num_sms, num_tiles)
     total = int((tiles * tile_cost).sum())
-    if num_tiles <= SM90_SIMULATED_TILES_PER_CTA * grid or int(tile_cost[count > 0].max()) * grid > total:
+    longest = int(torch.where(count > 0, tile_cost, 0).max())  # of a tile
+    if num_tiles <= SM90_SIMULATED_TILES_PER_CTA * grid or longest * grid > total:
         return None
     # One row per M split, longest tiles first: its part words but the N tile's.
-    group = torch.repeat_interleave(torch.arange(len(m)), count)
-    order = torch.sort(tile_cost[group], descending=True, stable=True).indices
-    index = (torch.arange(group.numel()) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count))[order]
-    group = group[order]
-    split_words = torch.stack([group, index * width[group], width_index[group], torch.zeros_like(group),
-                               torch.zeros_like(group), chunks[group], torch.full_like(group, -1),
+    group, index = _segments(count)
+    order = torch.sort(tile_cost.index_select(0, group), descending=True, stable=True).indices
+    group, index = group.index_select(0, order), index.index_select(0, order)
+    of_group = lambda t: t.index_select(0, group)  # noqa: E731
+    split_words = torch.stack([group, index * of_group(width), of_group(width_index), torch.zeros_like(group),
+                               torch.zeros_like(group), of_group(chunks), torch.full_like(group, -1),
                                torch.zeros_like(group)], 1).to(torch.int32)
     # Tile t of that order: split tile_split[t], N tile n_tile[t] (each split's N tiles in turn).
-    per_split = n_tiles[group]
-    tile_split = torch.repeat_interleave(torch.arange(group.numel()), per_split)
-    n_tile = torch.arange(num_tiles) - torch.repeat_interleave(torch.cumsum(per_split, 0) - per_split, per_split)
-    cost = tile_cost[group][tile_split].double()
+    tile_split, n_tile = _segments(of_group(n_tiles))
+    cost = of_group(tile_cost).index_select(0, tile_split).double()
     # Laps of `grid` tiles: all but the last SM90_BULK_TAIL_LAPS go to the CTAs in snake order (lap t // grid,
     # seat t % grid, forwards on even laps, backwards on odd ones), each of the last ones to the CTAs from the
     # least loaded up (its tiles longest first). Row c of `seats`: CTA c's tiles in order (-1: none).
@@ -542,19 +556,19 @@ def _sm90_bulk_plan(problem_sizes: tuple, num_sms: int, widths: tuple) -> Option
     head_laps = max(0, laps - SM90_BULK_TAIL_LAPS)
     lap, cta = torch.arange(head_laps)[None, :], torch.arange(grid)[:, None]
     seats = [lap * grid + torch.where(lap % 2 == 0, cta, grid - 1 - cta)]
-    loads = cost[seats[0]].sum(1)
+    loads = cost.index_select(0, seats[0].reshape(-1)).view(grid, head_laps).sum(1)
     for start in range(head_laps * grid, num_tiles, grid):
         count_here = min(grid, num_tiles - start)
         least = torch.argsort(loads, stable=True)[:count_here]
         column = torch.full((grid,), -1, dtype=torch.int64)
-        column[least] = torch.arange(start, start + count_here)
-        loads[least] += cost[start:start + count_here]
+        column.index_copy_(0, least, torch.arange(start, start + count_here))
+        loads.index_add_(0, least, cost[start:start + count_here])
         seats.append(column[:, None])
     seats = torch.cat(seats, 1)
     valid = seats >= 0
-    position = seats[valid]  # CTA after CTA
-    parts = split_words[tile_split[position]]
-    parts[:, 3] = n_tile[position]
+    position = seats.masked_select(valid)  # CTA after CTA
+    parts = split_words.index_select(0, tile_split.index_select(0, position))
+    parts[:, 3] = n_tile.index_select(0, position)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(valid.sum(1), 0)])
     return Sm90BulkPlan(widths, tuple(zip(count.tolist(), width.tolist())), parts, offsets, float(loads.max()))
 

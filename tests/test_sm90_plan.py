@@ -360,3 +360,19 @@ def test_sm90_register_and_shared_memory_budgets(variant):
     assert smem <= submission.DYNAMIC_SMEM_BUDGET, (variant, smem)
     # a pair releases the fp16 A buffer of its chunk two back: the ring needs at least as many buffers as pairs
     assert kernel.num_a16 >= max(2, kernel.pairs)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_segments_number_each_element_by_segment_and_place(seed):
+    # The bulk plan's expansion of split counts into rows and of rows into N tiles, against a Python loop;
+    # empty segments first, last and in runs among them.
+    import torch
+
+    rng = random.Random(seed)
+    counts = [rng.choice([0, 0, 1, 2, 5, 17]) for _ in range(rng.randint(1, 300))]
+    counts[0], counts[-1] = 0, 0
+    segment, index = submission_sm90._segments(torch.tensor(counts, dtype=torch.int64))
+    expect = [(i, j) for i, c in enumerate(counts) for j in range(c)]
+    assert list(zip(segment.tolist(), index.tolist())) == expect
+    empty, _ = submission_sm90._segments(torch.zeros(3, dtype=torch.int64))
+    assert empty.numel() == 0
