@@ -497,13 +497,12 @@ def _segments(counts: torch.Tensor) -> tuple:
 
     NOTES: what torch.repeat_interleave(arange, counts) and arange - repeat_interleave(starts, counts) give,
     but by bincount and cumsum, which run on one thread. repeat_interleave opens a parallel region whatever
-    its size: on a 2-core host with another process busy, 0.5-3.6 ms per call where one thread took 25 µs,
-    and the re-routed call's host path twice as long in all (docs/HOPPER_NOTES.md v32)."""
+    its size: on a 2-core host with another process busy, 0.5-3.6 ms per call where one thread took 25 µs."""
     total = int(counts.sum())
     starts = torch.cumsum(counts, 0) - counts
     # segment i of an element: how many segments after the first start at or before it
     segment = torch.cumsum(torch.bincount(starts[1:], minlength=total + 1)[:total], 0)
-    return segment, torch.arange(total) - starts[segment]
+    return segment, torch.arange(total) - starts.index_select(0, segment)
 
 
 def _sm90_bulk_plan(problem_sizes: tuple, num_sms: int, widths: tuple) -> Optional[Sm90BulkPlan]:
@@ -515,14 +514,19 @@ def _sm90_bulk_plan(problem_sizes: tuple, num_sms: int, widths: tuple) -> Option
     back), the last SM90_BULK_TAIL_LAPS laps to the least loaded CTAs first: a CTA's load within one tile of
     the mean. Vectorised over groups and tiles: 0.8-1.8 ms per new routing of the `bench.py --moe` shapes
     (2k-17k tiles, words included), where the search, the longest-first assignment and the word list took
-    13-27 ms for the DeepSeek-V3 ones (2-core CPU, torch 2.13)."""
+    13-27 ms for the DeepSeek-V3 ones (2-core CPU, torch 2.13).
+
+    NOTES: rows are taken by index_select / gather / masked_select, not advanced indexing, and nothing calls
+    repeat_interleave or searchsorted: on the CPU those open parallel regions at small sizes, which stall
+    while another process holds the other cores (the re-routed call up to twice as long on Qwen3 with one
+    core of two busy; docs/HOPPER_NOTES.md v32)."""
     sizes = torch.tensor(problem_sizes, dtype=torch.int64).reshape(-1, 4)
     m, n_tiles, chunks = sizes[:, 0], sizes[:, 1] // 128, sizes[:, 2] // 128
     w = torch.tensor(widths, dtype=torch.int64)
     # `sm90_tile_cost` of each (K, width index): the groups' K take a few values
     ks = sorted({k for _, _, k, _ in problem_sizes})
     costs = torch.tensor([[sm90_tile_cost(width, k) for width in widths] for k in ks], dtype=torch.int64)
-    k_index = torch.searchsorted(torch.tensor(ks, dtype=torch.int64), sizes[:, 2].contiguous())
+    k_index = (sizes[:, 2, None] > torch.tensor(ks, dtype=torch.int64)).sum(1)  # each K's place in ks
     # candidates per group (one per width cap, fewest tiles first): tile count and the narrowest width that
     # covers M with that many tiles (`_sm90_split_width`), as an index into `widths`
     count = ((m[:, None] + w - 1) // w).flip(1)
