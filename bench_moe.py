@@ -325,14 +325,9 @@ class DeviceWaitProbe:
         if not self.queued.query():
             return None
         allocs, retries = (after - before for after, before in zip(self._stats(), self.stats))
-        return wait_note(what, host_ms, allocs, retries)
-
-
-def wait_note(what: str, host_ms: float, allocs: int, retries: int) -> str:
-    """The note of a re-routed call by the end of which the device work queued before it had finished."""
-    return (f"{what}: {host_ms:.1f} ms on the host, and the ~{BUSY_CYCLES / 1.98e6:.0f} ms of device work queued "
-            f"before it had finished by its end; in the call {allocs} device allocations (cudaMalloc) and "
-            f"{retries} allocator retries (a retry frees the cache, which waits for the device)")
+        return (f"{what}: {host_ms:.1f} ms on the host, and the ~{BUSY_CYCLES / 1.98e6:.0f} ms of device work queued "
+                f"before it had finished by its end; in the call {allocs} device allocations (cudaMalloc) and "
+                f"{retries} allocator retries (a retry frees the cache, which waits for the device)")
 
 
 def profile_lines(fn: Callable[[], object], top: int = 15) -> list:

@@ -544,7 +544,7 @@ def _sm90_bulk_plan(problem_sizes: tuple, num_sms: int, widths: tuple) -> Option
         return None
     # One row per M split, longest tiles first: its part words but the N tile's.
     group, index = _segments(count)
-    order = torch.sort(tile_cost.index_select(0, group), descending=True, stable=True).indices
+    split_cost, order = torch.sort(tile_cost.index_select(0, group), descending=True, stable=True)
     group, index = group.index_select(0, order), index.index_select(0, order)
     of_group = lambda t: t.index_select(0, group)  # noqa: E731
     split_words = torch.stack([group, index * of_group(width), of_group(width_index), torch.zeros_like(group),
@@ -552,7 +552,7 @@ def _sm90_bulk_plan(problem_sizes: tuple, num_sms: int, widths: tuple) -> Option
                                torch.zeros_like(group)], 1).to(torch.int32)
     # Tile t of that order: split tile_split[t], N tile n_tile[t] (each split's N tiles in turn).
     tile_split, n_tile = _segments(of_group(n_tiles))
-    cost = of_group(tile_cost).index_select(0, tile_split).double()
+    cost = split_cost.index_select(0, tile_split).double()
     # Laps of `grid` tiles: all but the last SM90_BULK_TAIL_LAPS go to the CTAs in snake order (lap t // grid,
     # seat t % grid, forwards on even laps, backwards on odd ones), each of the last ones to the CTAs from the
     # least loaded up (its tiles longest first). Row c of `seats`: CTA c's tiles in order (-1: none).

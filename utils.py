@@ -3,8 +3,8 @@
 Comparison (`verbose_allclose`, `match_reference`) runs on any device; the L2 flush helpers need CUDA.
 """
 import os
-import sys
 import random
+import sys
 
 import torch
 
