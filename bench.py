@@ -2,7 +2,9 @@
 
     python bench.py [FILE] [--repeats N] [--plot roofline.png] [--skip-slow] [--launch-paths P,Q] [--no-humming]
     python bench.py [FILE] --pdl-ab ROUNDS
+    python bench.py [FILE] --ab A B [--ab-rounds N] [--repeats N]
     python bench.py --moe [--moe-cases A,B] [--moe-calls N] [--moe-patterns N] [--moe-profile]
+    python bench.py --moe --ab A B [--ab-rounds N] [--moe-cases A,B] [--moe-calls N]
 
 For every benchmark case of FILE (default task.yml) it times, each on the same 15 input sets:
   kernel         submission.custom_kernel(data)
@@ -20,8 +22,12 @@ call over repeats. It prints µs, × of each baseline against the kernel, and th
 then the host time of one custom_kernel call on its own (CPU wall time per call, launches only).
 With --launch-paths (names from submission.LAUNCH_PATHS) it also times the kernel and its host cost once per
 launch path, side by side, next to the host cost of one small torch kernel launch.
-With --pdl-ab it only times the kernel with and without programmatic dependent launch (submission.set_pdl),
-alternating in ROUNDS rounds in one process on the same inputs, and prints medians and paired differences.
+With --ab it only times the kernel under two settings A and B, alternating (A B, B A, ...) in --ab-rounds
+rounds in one process on the same inputs, each setting's output checked first; it prints each setting's median
+µs over the rounds and their ratio B / A. A setting is comma-separated items: variant=NAME (a B200 or Hopper
+variant), lever=NAME (a Hopper lever under measurement, submission_sm90.SM90_LEVERS), pdl=on|off, or default;
+what it leaves unnamed is the module's default. With --moe it does so on the MoE cases (bench_moe's timing and
+check). --pdl-ab ROUNDS is --ab pdl=on pdl=off --ab-rounds ROUNDS.
 With --moe it runs bench_moe.py's cases instead: routed-expert GEMMs of DeepSeek-V3 and Qwen3-30B-A3B layers
 (128-256 experts, top-8 routing with skewed popularity, some experts empty, full-range values), the kernel
 against torch._grouped_mm and a cuBLAS loop on bf16, the fp4-bytes and bf16 floors, the first call's time
@@ -31,6 +37,7 @@ Notes under the table say whether humming passed the check (and its worst |err|/
 absent (humming-kernels not importable, or --no-humming).
 """
 import argparse
+import dataclasses
 import glob
 import itertools
 import json
@@ -42,7 +49,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -363,29 +370,157 @@ def wrong(custom_kernel, case, inputs, what: str) -> bool:
     return not ok
 
 
-def pdl_ab(submission, cases, rounds: int, repeats: int) -> int:
-    """Kernel µs per call with and without programmatic dependent launch, alternating (ABBA) in one process."""
-    default = submission.USE_PDL
-    print(f"programmatic dependent launch on vs off, {rounds} alternating rounds of {repeats} repeats each; "
-          "µs per call (timing as above)")
+# ---------------------------------------------------------------------------------------------------------
+# --ab: the kernel under two settings, alternating in one process on the same inputs
+# ---------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class KernelSetting:
+    """What `--ab` switches between: a kernel variant (B200 or Hopper; None: the defaults), Hopper levers
+    (`submission_sm90.SM90_LEVERS`) and programmatic dependent launch (None: the module's default)."""
+
+    text: str
+    variant: Optional[str] = None
+    levers: tuple = ()
+    pdl: Optional[bool] = None
+
+
+SETTING_FORMS = "variant=NAME, lever=NAME (repeatable), pdl=on|off, or default"
+
+
+def parse_setting(text: str, b200_variants: tuple, sm90_variants: tuple, levers: tuple) -> KernelSetting:
+    """A `--ab` setting: comma-separated items of SETTING_FORMS; ValueError naming the item that is wrong."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"--ab: empty setting {text!r}; give {SETTING_FORMS}")
+    variant, chosen, pdl = None, [], None
+    for item in items:
+        if item == "default":
+            continue
+        key, _, value = item.partition("=")
+        if key == "variant" and value in b200_variants + sm90_variants and variant is None:
+            variant = value
+        elif key == "lever" and value in levers and value not in chosen:
+            chosen.append(value)
+        elif key == "pdl" and value in ("on", "off") and pdl is None:
+            pdl = value == "on"
+        else:
+            names = {"variant": b200_variants + sm90_variants, "lever": levers, "pdl": ("on", "off")}.get(key)
+            what = (f"one of {', '.join(names)}, given once" if names else SETTING_FORMS)
+            raise ValueError(f"--ab: {item!r} in setting {text!r}: expected {what}")
+    return KernelSetting(text, variant, tuple(chosen), pdl)
+
+
+def apply_setting(submission, sm90, setting: KernelSetting, default_pdl: bool) -> None:
+    """Makes `setting` the kernel custom_kernel runs from now on; what it leaves unnamed goes back to the
+    module defaults (each setter also drops the prepared calls of the previous setting)."""
+    b200 = setting.variant if setting.variant in submission.KERNEL_VARIANTS else submission.DEFAULT_KERNEL_VARIANT
+    hopper = setting.variant if setting.variant in sm90.SM90_VARIANTS else sm90.DEFAULT_SM90_VARIANT
+    submission.set_variant(b200)
+    sm90.set_sm90_variant(hopper)
+    sm90.set_sm90_levers(*setting.levers)
+    submission.set_pdl(default_pdl if setting.pdl is None else setting.pdl)
+
+
+def ab_summary(label: str, settings: tuple, times: tuple) -> str:
+    """One result line of --ab: each setting's median µs over the rounds, the ratio of the medians (B / A) and
+    the range of the per-round ratios."""
+    ratios = [b / a for a, b in zip(*times)]
+    a, b = (statistics.median(t) for t in times)
+    return (f"{harness.fit_label(label, 52):<52} A {a:9.2f}  B {b:9.2f}  B/A {b / a:.3f} "
+            f"(rounds {min(ratios):.3f} to {max(ratios):.3f})  [A: {settings[0].text}; B: {settings[1].text}]")
+
+
+def ab_rounds(settings: tuple, rounds: int, apply: Callable, check: Callable[[int], bool],
+              time_once: Callable[[], float]) -> Optional[tuple]:
+    """Times both settings in `rounds` rounds, in the order A B, B A, A B, ... (so drift cancels): per round
+    `apply(i)` selects setting i, `check(i)` (first round only) returns False when its output is wrong,
+    `time_once()` gives µs. Returns (A's times, B's times), or None when a check failed."""
+    times = ([], [])
+    for rnd in range(rounds):
+        for i in (0, 1) if rnd % 2 == 0 else (1, 0):
+            apply(i)
+            if rnd == 0 and not check(i):
+                return None
+            times[i].append(time_once())
+    return times
+
+
+def ab(submission, cases, settings: tuple, rounds: int, repeats: int) -> int:
+    """bench.py --ab on FILE's benchmarks: the kernel's µs per call under settings A and B (the timing above,
+    `repeats` repeats per round), each setting's kernel checked on a copy of the first input first."""
+    sm90, default_pdl = hopper_module(), submission.USE_PDL
+    print(f"--ab: A = {settings[0].text}, B = {settings[1].text}; {rounds} rounds alternating A B / B A, "
+          f"{repeats} repeats each; µs per call (timing as above), the median over the rounds")
+    status = 0
     for case in cases:
         inputs = case_inputs(case)
-        times = {True: [], False: []}
-        for rnd in range(rounds):
-            for on in (True, False) if rnd % 2 == 0 else (False, True):
-                submission.set_pdl(on)
-                # each setting's kernel checked once
-                setting = f"the kernel with PDL {'on' if on else 'off'}"
-                if rnd < 2 and wrong(submission.custom_kernel, case, inputs, setting):
-                    return 1
-                times[on].append(_time_per_call(submission.custom_kernel, inputs, repeats))
-        diffs = [a - b for a, b in zip(times[True], times[False])]
-        print(f"{harness.fit_label(harness._short(case), 52):<52} on {statistics.median(times[True]):8.2f}"
-              f"  off {statistics.median(times[False]):8.2f}"
-              f"  paired diff median {statistics.median(diffs):+6.2f} (min {min(diffs):+.2f}, max {max(diffs):+.2f})",
-              flush=True)
-    submission.set_pdl(default)
-    return 0
+        times = ab_rounds(settings, rounds, lambda i: apply_setting(submission, sm90, settings[i], default_pdl),
+                          lambda i: not wrong(submission.custom_kernel, case, inputs, f"setting {settings[i].text}"),
+                          lambda: _time_per_call(submission.custom_kernel, inputs, repeats))
+        if times is None:
+            status = 1
+            break
+        print(ab_summary(harness._short(case), settings, times), flush=True)
+    apply_setting(submission, sm90, KernelSetting("default"), default_pdl)
+    return status
+
+
+def ab_moe(submission, case_names: Optional[str], settings: tuple, rounds: int, calls: int) -> int:
+    """bench.py --moe --ab: the MoE cases' kernel µs (bench_moe's timing: the median of `calls` calls, each alone,
+    L2 flushed) under settings A and B; each setting's first call checked on NaN-poisoned outputs against the
+    float64 decode."""
+    sm90, default_pdl = hopper_module(), submission.USE_PDL
+    print(f"--moe --ab: A = {settings[0].text}, B = {settings[1].text}; {rounds} rounds alternating A B / B A, "
+          f"each the median µs of {calls} calls (each alone, L2 flushed); the median over the rounds")
+    status = 0
+    for case in bench_moe.select_cases(case_names):
+        harness.progress(f"[{case.name}] routing, weights and inputs")
+        data = bench_moe.make_input(case, bench_moe.route(case, case.seed), bench_moe.make_weights(case, "cuda"),
+                                    case.seed, "cuda")
+
+        def check(i: int) -> bool:
+            for _, _, c in data[0]:
+                c.fill_(math.nan)  # what this setting's call does not write shows as NaN
+            worst = bench_moe.worst_error_ratio(data, submission.custom_kernel(data))
+            if worst > 1:
+                print(f"bench.py: setting {settings[i].text} is wrong on {case.name}: worst |err|/tol {worst:.3f}",
+                      file=sys.stderr)
+            return worst <= 1
+
+        times = ab_rounds(settings, rounds, lambda i: apply_setting(submission, sm90, settings[i], default_pdl),
+                          check, lambda: bench_moe.median_us(lambda: submission.custom_kernel(data), calls))
+        if times is None:
+            status = 1
+            break
+        print(ab_summary(f"{case.name} ({case.layer})", settings, times), flush=True)
+        del data
+        torch.cuda.empty_cache()
+    apply_setting(submission, sm90, KernelSetting("default"), default_pdl)
+    return status
+
+
+# the options that --ab (and --pdl-ab) leave no use for, by their argparse names
+NOT_WITH_AB = (("plot", "--plot"), ("skip_slow", "--skip-slow"), ("launch_paths", "--launch-paths"),
+               ("no_humming", "--no-humming"), ("moe_patterns", "--moe-patterns"), ("moe_profile", "--moe-profile"))
+
+
+def ab_options_problem(args, defaults: dict) -> Optional[str]:
+    """What is wrong with the --ab options (one line), or None."""
+    if args.ab and args.pdl_ab:
+        return "--ab and --pdl-ab: give one of them (--pdl-ab N is --ab pdl=on pdl=off --ab-rounds N)"
+    if not (args.ab or args.pdl_ab):
+        return "--ab-rounds needs --ab" if args.ab_rounds != defaults["ab_rounds"] else None
+    if args.pdl_ab and args.ab_rounds != defaults["ab_rounds"]:
+        return "--ab-rounds does not apply to --pdl-ab (its value is the rounds)"
+    others = [flag for dest, flag in NOT_WITH_AB if getattr(args, dest) != defaults[dest]]
+    return f"{others[0]} does not apply to --ab (it times the kernel alone)" if others else None
+
+
+def hopper_module():
+    """submission_sm90, the Hopper kernel's module (its variants, levers and setters)."""
+    import submission_sm90
+
+    return submission_sm90
 
 
 def _positive_int(text: str) -> int:
@@ -443,8 +578,13 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-slow", action="store_true", help="leave out dequant+mm (slowest baseline)")
     parser.add_argument("--launch-paths", metavar="P,Q",
                         help=f"also time these launch paths, comma-separated: {', '.join(_launch_path_names())}")
+    parser.add_argument("--ab", nargs=2, metavar=("A", "B"),
+                        help=f"only time the kernel under two settings, alternating; a setting: {SETTING_FORMS} "
+                             "(comma-separated)")
+    parser.add_argument("--ab-rounds", type=_positive_int, default=4, metavar="N",
+                        help="rounds of --ab or --pdl-ab (4)")
     parser.add_argument("--pdl-ab", metavar="ROUNDS", type=_positive_int,
-                        help="only time the kernel with and without programmatic dependent launch, alternating")
+                        help="--ab pdl=on pdl=off with ROUNDS rounds")
     parser.add_argument("--no-humming", action="store_true",
                         help="leave out the humming-kernels column (its first run per shape compiles for minutes)")
     moe = parser.add_argument_group("MoE benchmark")
@@ -457,7 +597,8 @@ def main(argv=None) -> int:
     moe.add_argument("--moe-profile", action="store_true",
                      help="print a profile of one more re-routed call per case (stderr): where its host time goes")
     args = parser.parse_args(argv)
-    problem = bench_moe.options_problem(args, {dest: parser.get_default(dest) for dest in vars(args)})
+    problem = ab_options_problem(args, {dest: parser.get_default(dest) for dest in vars(args)})
+    problem = problem or bench_moe.options_problem(args, {dest: parser.get_default(dest) for dest in vars(args)})
     if problem:
         return harness.usage_error("bench.py", problem)
     # Every mistake is reported before the GPU check and before any timing.
@@ -490,15 +631,23 @@ def main(argv=None) -> int:
         return harness.usage_error("bench.py", f"--launch-paths: {err}")
     finally:
         submission.set_launch_path(default_path)
+    texts = args.ab or (("pdl=on", "pdl=off") if args.pdl_ab else ())
+    try:
+        sm90 = hopper_module()
+        settings = tuple(parse_setting(text, tuple(submission.KERNEL_VARIANTS), tuple(sm90.SM90_VARIANTS),
+                                       tuple(sm90.SM90_LEVERS)) for text in texts)
+    except ValueError as err:
+        return harness.usage_error("bench.py", str(err))
     if not torch.cuda.is_available():
         return harness.usage_error("bench.py", f"no usable CUDA GPU (torch {torch.__version__}, "
                                           "torch.cuda.is_available() is False)")
+    if args.moe and settings:
+        return ab_moe(submission, args.moe_cases, settings, args.ab_rounds, args.moe_calls)
     if args.moe:
         return bench_moe.main(args, submission)
+    if settings:
+        return ab(submission, cases, settings, args.pdl_ab or args.ab_rounds, args.repeats)
     by_path = []  # (case, {path: (kernel µs, host µs)})
-
-    if args.pdl_ab:
-        return pdl_ab(submission, cases, args.pdl_ab, args.repeats)
     note = humming_note(args.no_humming)
     notes = [note] if note else [
         f"humming = humming-kernels {sys.modules['humming'].__version__}, grouped W4A16: A given in fp16 (A→fp16 is "

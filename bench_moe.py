@@ -102,7 +102,7 @@ def options_problem(args, defaults: dict) -> Optional[str]:
     others = [flag for dest, flag in OTHER_OPTIONS if getattr(args, dest) != defaults[dest]]
     if others:
         return f"{others[0]} does not apply to --moe (it runs its own cases; its options: --moe-cases, " \
-               "--moe-calls, --moe-patterns, --moe-profile)"
+               "--moe-calls, --moe-patterns, --moe-profile, --ab)"
     try:
         select_cases(args.moe_cases)
     except ValueError as err:

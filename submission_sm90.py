@@ -30,6 +30,8 @@ How to use it (besides submission.custom_kernel):
     set_sm90_variant(name)   one of SM90_VARIANTS ("sm90_auto": choose_sm90_config's choice, M-exact tiles
                              planned per problem; the others force one variant; NVFP4_SM90_VARIANT=name at
                              import)
+    set_sm90_levers(*names)  turn on levers under measurement (SM90_LEVERS: Sm90GemmConfig switches every
+                             variant leaves off; `bench.py --ab` times the kernel with and without them)
     plan_sm90_work(sizes, num_sms, ...)   the M-exact kernel's host plan, no GPU needed
 docs/HOPPER_NOTES.md has the design and the measured log.
 """
@@ -145,6 +147,9 @@ class Sm90GemmConfig:
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
+    tile_prefetch: a lever (`SM90_LEVERS`): the producer and the consumers, on starting a part, prefetch the
+      work-list entry of the CTA's next part into L1, so that its load at the next tile is not a DRAM round
+      trip on the path from one tile's last chunk to the next one's first.
     """
 
     num_stages: int = 0
@@ -157,6 +162,7 @@ class Sm90GemmConfig:
     split_k: bool = True
     consumer_pairs: int = 1
     a16_buffers: int = 0
+    tile_prefetch: bool = False
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
@@ -660,6 +666,29 @@ def set_sm90_variant(name: str) -> None:
     host.forget_prepared_calls()
 
 
+# Levers under measurement: Sm90GemmConfig switches that every variant leaves off until a side-by-side run on a
+# GPU decides (docs/HOPPER_NOTES.md gives each one's prediction). `set_sm90_levers` turns them on in every build
+# custom_kernel and compile_for take from then on (each setting its own compiled kernel: the fields are in the
+# compile key); `bench.py --ab` times the kernel with and without them in one process.
+SM90_LEVERS = ("tile_prefetch",)
+SM90_LEVERS_ON: frozenset = frozenset()
+
+
+def set_sm90_levers(*names: str) -> None:
+    """Turn on exactly the named levers (each one of SM90_LEVERS; none: all off) in every Hopper build from now
+    on."""
+    global SM90_LEVERS_ON
+    for name in names:
+        _check_setter_name("set_sm90_levers", "Hopper lever", name, SM90_LEVERS)
+    SM90_LEVERS_ON = frozenset(names)
+    host.forget_prepared_calls()  # as set_sm90_variant: a prepared call holds the other setting's launch
+
+
+def with_sm90_levers(config: Sm90GemmConfig) -> Sm90GemmConfig:
+    """`config` with the levers of SM90_LEVERS_ON turned on."""
+    return dataclasses.replace(config, **dict.fromkeys(SM90_LEVERS_ON, True)) if SM90_LEVERS_ON else config
+
+
 # ---------------------------------------------------------------------------------------------------
 # Hopper device helpers: pipeline states, and inline PTX for the operand conversions and shared-memory
 # accesses (the data path; barriers and TMA use the DSL's pipeline classes and copy atoms)
@@ -916,6 +945,17 @@ def sm90_split_arrive(counter_addr, leader, last_arrival, barrier_id, *, loc=Non
 @dsl_user_op
 def st_global_u32(addr, v, *, loc=None, ip=None):
     _asm(None, [_i64(addr, loc, ip), _u32(v, loc, ip)], "st.global.b32 [$0], $1;", "l,r,~{memory}", True, loc, ip)
+
+
+def element_address(tensor: cute.Tensor, coord: tuple):
+    """The global address (an integer) of `tensor`'s element at `coord`."""
+    return (tensor.iterator + cute.crd2idx(coord, tensor.layout)).toint()
+
+
+@dsl_user_op
+def prefetch_global_l1(addr, *, loc=None, ip=None):
+    """A hint: the line of global memory at `addr` into this SM's L1 (and L2); nothing waits for it."""
+    _asm(None, [_i64(addr, loc, ip)], "prefetch.global.L1 [$0];", "l", True, loc, ip)
 
 
 @dsl_user_op
@@ -1484,6 +1524,23 @@ class Sm90BlockScaledGroupedGemmKernel:
                 + row_bytes * cutlass.Int64(i))
 
     @cute.jit
+    def prefetch_next_part(self, work: cute.Tensor, i, end, grid):
+        """tile_prefetch (m_exact): the work-list entry of the part after part i (part i's own when it is the
+        CTA's last: a select, not a branch) into L1, so that the next `tile_at` finds it there."""
+        if cutlass.const_expr(self.m_exact and self.config.tile_prefetch):
+            prefetch_global_l1(self.part_entry(work, i + cutlass.Int32(i + 1 < end), grid))
+
+    @cute.jit
+    def prefetch_next_group(self, ptrs: cute.Tensor, sizes: cute.Tensor, work: cute.Tensor, i, end, grid):
+        """tile_prefetch (m_exact), the producer once part i's loads are issued: the next part's group's size
+        row and scale pointers into L1, the next loads of its chain (`group_sizes`, then `produce_tile`'s
+        pointers) before its first TMA load. Its group comes from the entry `prefetch_next_part` brought in."""
+        if cutlass.const_expr(self.m_exact and self.config.tile_prefetch):
+            g = cutlass.Int32(ld_global_u32(self.part_entry(work, i + cutlass.Int32(i + 1 < end), grid), True))
+            for table, column in ((sizes, int(SizeColumn.K)), (ptrs, int(PtrColumn.SFA)), (ptrs, int(PtrColumn.SFB))):
+                prefetch_global_l1(element_address(table, (g, column)))
+
+    @cute.jit
     def tile_at(self, i, work: cute.Tensor, scheduler, walk, bid, grid):
         """This CTA's part at position i: (group, first row, width index, N tile, first 128-k chunk, chunks,
         1 if it is a part of a split tile else 0), and the scheduler's walk state (group, first tile of the group,
@@ -1532,6 +1589,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         begin, end = self.tile_range(work, total_tiles, bid, grid)
         for i in range(begin, end):
             g, m0, width_idx, n_tile, k0, chunks, _, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
+            self.prefetch_next_part(work, i, end, grid)
             _, _, _, k_size = self.group_sizes(sizes, g)
             # Warp-uniform group: the descriptor addresses stay in uniform registers for the TMA issue.
             g = cute.arch.make_warp_uniform(g)
@@ -1544,6 +1602,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                 if width_idx == w:
                     self.produce_tile(self.widths[w], chunk, ptrs, descriptors, g, m0, n_tile, k_size, k0, chunks,
                                       stage_pipe, a16_pipes[w], atoms, gmem_parts, smem_parts, sf_atom, smem)
+            self.prefetch_next_group(ptrs, sizes, work, i, end, grid)
             chunk = chunk + chunks
 
     @cute.jit
@@ -1911,14 +1970,14 @@ class Sm90Backend(KernelBackend):
 
     def config(self, sizes, num_sms: int) -> Sm90GemmConfig:
         if SM90_VARIANT in SM90_VARIANT_CONFIGS:
-            return SM90_VARIANT_CONFIGS[SM90_VARIANT]
-        return self.weight_shape_choice(sizes, num_sms, choose_sm90_config)
+            return with_sm90_levers(SM90_VARIANT_CONFIGS[SM90_VARIANT])
+        return with_sm90_levers(self.weight_shape_choice(sizes, num_sms, choose_sm90_config))
 
     def compile_config(self, variant: Optional[str]) -> Sm90GemmConfig:
         if variant is not None:
             _check_choice("Hopper variant", variant, tuple(SM90_VARIANT_CONFIGS))
-            return SM90_VARIANT_CONFIGS[variant]
-        return choose_sm90_config((), SM90_COMPILE_SMS)
+            return with_sm90_levers(SM90_VARIANT_CONFIGS[variant])
+        return with_sm90_levers(choose_sm90_config((), SM90_COMPILE_SMS))
 
     def key_config(self, config: Sm90GemmConfig) -> Sm90GemmConfig:
         return dataclasses.replace(config, split_k=True)  # the plan's choice: the same kernel runs both

@@ -11,7 +11,9 @@ import torch
 
 import bench
 import eval as ev
+import harness
 import reference
+import submission
 from conftest import ROOT, TOL, dequant_f64, e2m1_value, e4m3_value
 
 
@@ -325,3 +327,76 @@ def test_timing_loop_is_the_runners(monkeypatch):
     warm = ["call0", "call1", "sync"]
     one = ["sync", "new", "new", "flush", "record", "call0", "call1", "record", "sync"]
     assert log == warm + one + one
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --ab: two kernel settings, alternating
+# ---------------------------------------------------------------------------------------------------------
+NAMES = (("persistent", "seed"), ("sm90_auto", "sm90_a16_pairs"), ("tile_prefetch",))
+
+
+def test_ab_settings_parse_every_form():
+    assert bench.parse_setting("default", *NAMES) == bench.KernelSetting("default")
+    text = "variant=sm90_a16_pairs, lever=tile_prefetch,pdl=off"
+    assert bench.parse_setting(text, *NAMES) == bench.KernelSetting(text, "sm90_a16_pairs", ("tile_prefetch",), False)
+    assert bench.parse_setting("variant=seed,pdl=on", *NAMES) == bench.KernelSetting("variant=seed,pdl=on", "seed",
+                                                                                     (), True)
+
+
+@pytest.mark.parametrize("text,piece", [
+    (" , ", "empty setting"), ("variant=bogus", "'variant=bogus' in setting 'variant=bogus': expected one of persistent"),
+    ("lever=x", "expected one of tile_prefetch, given once"), ("pdl=1", "expected one of on, off"),
+    ("variant=seed,variant=persistent", "'variant=persistent'"), ("lever=tile_prefetch,lever=tile_prefetch", "given once"),
+    ("speed=2", "expected variant=NAME, lever=NAME (repeatable), pdl=on|off, or default"),
+])
+def test_ab_settings_name_the_wrong_item(text, piece):
+    with pytest.raises(ValueError) as raised:
+        bench.parse_setting(text, *NAMES)
+    assert str(raised.value).startswith("--ab: ") and piece in str(raised.value), str(raised.value)
+
+
+def test_ab_rounds_alternate_and_check_each_setting_first():
+    log = []
+    times = bench.ab_rounds(("A", "B"), 3, lambda i: log.append(f"apply {i}"),
+                            lambda i: log.append(f"check {i}") or True, lambda: float(len(log)))
+    assert log == ["apply 0", "check 0", "apply 1", "check 1", "apply 1", "apply 0", "apply 0", "apply 1"]
+    assert times == ([2.0, 6.0, 7.0], [4.0, 5.0, 8.0])  # the log's length when each was timed
+    log.clear()
+    assert bench.ab_rounds(("A", "B"), 3, lambda i: log.append(f"apply {i}"), lambda i: i == 0, lambda: 1.0) is None
+    assert log == ["apply 0", "apply 1"]  # B's wrong output stops the run before anything more is timed
+
+
+@pytest.fixture
+def hopper_settings(monkeypatch):
+    """The real modules' settings, restored after the test (bench.ab sets them through their setters)."""
+    sm90 = bench.hopper_module()
+    monkeypatch.setattr(submission, "KERNEL_VARIANT", submission.KERNEL_VARIANT)
+    monkeypatch.setattr(submission, "USE_PDL", True)
+    monkeypatch.setattr(submission, "_prepared_calls", {})
+    monkeypatch.setattr(sm90, "SM90_VARIANT", sm90.SM90_VARIANT)
+    monkeypatch.setattr(sm90, "SM90_LEVERS_ON", sm90.SM90_LEVERS_ON)
+    return sm90
+
+
+def test_ab_times_each_setting_as_selected_and_restores_the_defaults(monkeypatch, capsys, hopper_settings):
+    sm90 = hopper_settings
+    state = lambda: (submission.KERNEL_VARIANT, sm90.SM90_VARIANT, tuple(sorted(sm90.SM90_LEVERS_ON)),  # noqa: E731
+                     submission.USE_PDL)
+    checked, timed = [], []
+    monkeypatch.setattr(bench, "case_inputs", lambda case: ["input"])
+    monkeypatch.setattr(bench, "wrong", lambda fn, case, inputs, what: checked.append((what, state())) and False)
+    # B (the lever on) takes 0.9 of A's time
+    monkeypatch.setattr(bench, "_time_per_call", lambda fn, inputs, repeats: timed.append(state()) or (
+        9.0 if sm90.SM90_LEVERS_ON else 10.0))
+    settings = (bench.parse_setting("variant=sm90_a16_pairs,pdl=off", *NAMES),
+                bench.parse_setting("variant=sm90_a16_pairs,pdl=off,lever=tile_prefetch", *NAMES))
+    cases = harness.load_cases(str(ROOT / "task.yml"), "benchmarks")[:2]
+    assert bench.ab(submission, cases, settings, 2, 3) == 0
+    a = (submission.DEFAULT_KERNEL_VARIANT, "sm90_a16_pairs", (), False)
+    b = (submission.DEFAULT_KERNEL_VARIANT, "sm90_a16_pairs", ("tile_prefetch",), False)
+    assert checked == [("setting " + settings[0].text, a), ("setting " + settings[1].text, b)] * 2
+    assert timed == [a, b, b, a] * 2
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3 and lines[0].startswith("--ab: A = variant=sm90_a16_pairs,pdl=off, B = ")
+    assert " A     10.00  B      9.00  B/A 0.900 (rounds 0.900 to 0.900)" in lines[1]
+    assert state() == (submission.DEFAULT_KERNEL_VARIANT, sm90.DEFAULT_SM90_VARIANT, (), True)  # defaults again

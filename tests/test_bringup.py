@@ -3,6 +3,7 @@ changed, the copy imports with that default), the Hopper variant choice in submi
 worker processes (answers, errors, crashes, hangs), its case runner and benchmark runner on stand-in
 kernels, its per-variant driver on fake workers, its recommendation and report on fabricated results, the
 no-GPU exit, and the tile table of docs/B200_DESIGN.md against the model."""
+import dataclasses
 import json
 import math
 import os
@@ -228,6 +229,40 @@ def test_set_sm90_variant_forgets_the_prepared_calls(monkeypatch):
     submission.custom_kernel(data)
     assert launches == ["sm90_auto", "sm90_tile128", "sm90_auto"]
     assert len(submission._prepared_calls) == 1
+
+
+def test_sm90_levers_turn_on_in_every_hopper_build_and_key(monkeypatch):
+    monkeypatch.setattr(submission, "_target_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(submission, "_device_sm_count", lambda index: 132)
+    monkeypatch.setattr(submission_sm90, "SM90_VARIANT", "sm90_auto")
+    monkeypatch.setattr(submission_sm90, "SM90_LEVERS_ON", frozenset())
+    device = torch.device("cuda", 0)
+    data = (None, None, None, [(128, 4096, 1536, 1)])
+    off = submission.kernel_config(data, device)
+    assert not any(getattr(off, lever) for lever in submission_sm90.SM90_LEVERS)  # every variant leaves them off
+    for lever in submission_sm90.SM90_LEVERS:
+        submission_sm90.set_sm90_levers(lever)
+        on = submission.kernel_config(data, device)
+        assert on == dataclasses.replace(off, **{lever: True})
+        assert submission_sm90.BACKEND.compile_config("sm90_a16_pairs") == dataclasses.replace(
+            submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_pairs"], **{lever: True})
+        # its own compiled kernel: the lever is part of the compile key
+        assert submission.compile_key(8, "sm_90a", on) != submission.compile_key(8, "sm_90a", off)
+    submission_sm90.set_sm90_levers()
+    assert submission.kernel_config(data, device) == off
+
+
+def test_set_sm90_levers_rejects_bad_names_and_forgets_the_prepared_calls(monkeypatch):
+    monkeypatch.setattr(submission_sm90, "SM90_LEVERS_ON", frozenset())
+    monkeypatch.setattr(submission, "_prepared_calls", {"stand-in": None})
+    with pytest.raises(ValueError, match="unknown Hopper lever 'bogus'"):
+        submission_sm90.set_sm90_levers("bogus")
+    with pytest.raises(TypeError):
+        submission_sm90.set_sm90_levers(1)
+    assert submission_sm90.SM90_LEVERS_ON == frozenset() and submission._prepared_calls  # nothing changed
+    submission_sm90.set_sm90_levers(*submission_sm90.SM90_LEVERS)
+    assert submission_sm90.SM90_LEVERS_ON == frozenset(submission_sm90.SM90_LEVERS)
+    assert submission._prepared_calls == {}  # a prepared call holds the launch of the previous setting
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -162,6 +162,43 @@ def _sm90_build_sass(tmp_path, part: str, name: str) -> str:
     return subprocess.run([ev.find_cuobjdump(), "-sass", str(cubins[-1])], capture_output=True, text=True).stdout
 
 
+_SM90_LEVER_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import submission
+import submission_sm90
+submission_sm90.set_sm90_levers(sys.argv[2])
+try:
+    submission.compile_for(8, "sm_90a", sys.argv[3])
+except Exception as err:  # 4.3.x without a driver: the cubin is written, then loading it fails
+    if "CudaDriverDependencyError" not in repr(err) and "CUDA Driver Dependency" not in str(err):
+        raise
+print("BUILD_OK")
+"""
+
+# What each lever under measurement puts in the SASS of the GEMM (submission_sm90.SM90_LEVERS).
+LEVER_SASS = {"tile_prefetch": "CCTL.E.PF1"}
+
+
+@pytest.mark.parametrize("variant", ["sm90_a16_mexact", "sm90_a16_pairs"])
+@pytest.mark.parametrize("lever", submission_sm90.SM90_LEVERS if submission_sm90 else ())
+def test_sm90a_lever_builds(tmp_path, lever, variant):
+    # a lever is off in every variant until a GPU measures it, so no other build test builds it: here, in the
+    # widest build and the consumer-pairs one, with the GEMM's SASS as sane as every variant's
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP_CUBIN="1",
+               CUTE_DSL_KEEP="cubin", CUTE_DSL_DISABLE_FILE_CACHING="1")
+    proc = subprocess.run([sys.executable, "-c", _SM90_LEVER_SCRIPT, str(ROOT), lever, variant], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert "BUILD_OK" in proc.stdout, proc.stderr[-3000:]
+    cubins = sorted(tmp_path.rglob("*Sm90BlockScaledGroupedGemmKernel*.cubin"))
+    assert cubins, list(tmp_path.rglob("*"))
+    sass = subprocess.run([ev.find_cuobjdump(), "-sass", str(cubins[-1])], capture_output=True, text=True).stdout
+    counts = ev.count_sass(sass)
+    assert LEVER_SASS[lever] in sass
+    assert counts["HGMMA"] > 0 and counts["WGDEP1"] > 0 and counts["PR2UR"] == 0, counts
+    assert counts["LDL"] == 0 and counts["STL"] == 0, counts
+
+
 # The Hopper kernels other than the GEMM: the shared descriptor preparation (every input set) and the A prepass
 # (every call of the a16 variants).
 @pytest.mark.parametrize("part, name, sass_ops", [("tensormaps", "GroupTensormapKernel", ()),

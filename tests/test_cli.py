@@ -320,6 +320,11 @@ def test_bench_help_shows_its_docstring(capsys):
     (["--launch-paths", ","], ["--launch-paths", "tvm_ffi"]),
     (["--repeats", "0"], ["--repeats", "'0'"]),
     (["--pdl-ab", "x"], ["--pdl-ab", "'x'"]),
+    (["--ab", "variant=bogus", "default"], ["--ab: 'variant=bogus' in setting 'variant=bogus'"]),
+    (["--ab-rounds", "3"], ["--ab-rounds needs --ab"]),
+    (["--ab", "default", "pdl=off", "--pdl-ab", "2"], ["--ab and --pdl-ab: give one of them"]),
+    (["--ab", "default", "pdl=off", "--launch-paths", "dsl"], ["--launch-paths does not apply to --ab"]),
+    (["--moe", "--ab", "default", "pdl=off", "--moe-patterns", "1"], ["--moe-patterns does not apply to --ab"]),
 ])
 def test_bench_mistakes_are_one_line_before_the_gpu_check(tmp_path, capsys, monkeypatch, args, pieces):
     import bench

@@ -31,9 +31,11 @@ pytestmark = [pytest.mark.gpu,
 # "auto": the tile custom_kernel picks by itself; the others force one entry of SM90_VARIANT_CONFIGS (the
 # sm90_a16_* ones convert A to fp16 once per call, as the GEMM launch's first phase); "two_launch":
 # sm90_a16_mexact with that conversion as a launch of its own (Sm90GemmConfig.a16_fused=False); "whole_tiles":
-# sm90_a16_mexact planned without split-K (Sm90GemmConfig.split_k=False: no tile's K split across CTAs).
+# sm90_a16_mexact planned without split-K (Sm90GemmConfig.split_k=False: no tile's K split across CTAs);
+# "levers", "pairs_levers": "auto" and sm90_a16_pairs with every lever under measurement on
+# (submission_sm90.SM90_LEVERS).
 CONFIGS = ["auto", "sm90_tile128", "sm90_a16_mexact", "sm90_a16_mexact128", "sm90_a16_narrow", "sm90_a16_pairs",
-           "two_launch", "whole_tiles"]
+           "two_launch", "whole_tiles", "levers", "pairs_levers"]
 
 
 def _task_cases(section):
@@ -80,9 +82,12 @@ def sm90(request, monkeypatch):
         field = {"two_launch": "a16_fused", "whole_tiles": "split_k"}[config]
         forced = dataclasses.replace(submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], **{field: False})
         monkeypatch.setattr(submission_sm90, "choose_sm90_config", lambda sizes, num_sms: forced)
-    elif config != "auto":
-        forced = submission_sm90.SM90_VARIANT_CONFIGS[config]
+    elif config not in ("auto", "levers"):
+        forced = submission_sm90.SM90_VARIANT_CONFIGS[config.replace("pairs_levers", "sm90_a16_pairs")]
         monkeypatch.setattr(submission_sm90, "choose_sm90_config", lambda sizes, num_sms: forced)
+    # every lever on, or (the other configs) off whatever an earlier test left
+    monkeypatch.setattr(submission_sm90, "SM90_LEVERS_ON",
+                        frozenset(submission_sm90.SM90_LEVERS if "levers" in config else ()))
     return submission
 
 
