@@ -25,8 +25,9 @@ launch path, side by side, next to the host cost of one small torch kernel launc
 With --ab it only times the kernel under two settings A and B, alternating (A B, B A, ...) in --ab-rounds
 rounds in one process on the same inputs, each setting's output checked first; it prints each setting's median
 µs over the rounds and their ratio B / A. A setting is comma-separated items: variant=NAME (a B200 or Hopper
-variant), lever=NAME (a Hopper lever under measurement, submission_sm90.SM90_LEVERS), pdl=on|off, or default;
-what it leaves unnamed is the module's default. With --moe it does so on the MoE cases (bench_moe's timing and
+variant), lever=NAME (a Hopper lever under measurement, submission_sm90.SM90_LEVERS, on), sm90.FIELD=VALUE (a
+Sm90GemmConfig field over the chosen Hopper build's, an integer or on/off: submission_sm90.set_sm90_overrides),
+pdl=on|off, or default; what it leaves unnamed is the module's default. With --moe it does so on the MoE cases (bench_moe's timing and
 check). --pdl-ab ROUNDS is --ab pdl=on pdl=off --ab-rounds ROUNDS.
 With --moe it runs bench_moe.py's cases instead: routed-expert GEMMs of DeepSeek-V3 and Qwen3-30B-A3B layers
 (128-256 experts, top-8 routing with skewed popularity, some experts empty, full-range values), the kernel
@@ -375,39 +376,57 @@ def wrong(custom_kernel, case, inputs, what: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class KernelSetting:
-    """What `--ab` switches between: a kernel variant (B200 or Hopper; None: the defaults), Hopper levers
-    (`submission_sm90.SM90_LEVERS`) and programmatic dependent launch (None: the module's default)."""
+    """What `--ab` switches between: a kernel variant (B200 or Hopper; None: the defaults), Hopper config fields
+    over the chosen build's (`submission_sm90.set_sm90_overrides`: the levers under measurement, or any other
+    field) and programmatic dependent launch (None: the module's default)."""
 
     text: str
     variant: Optional[str] = None
-    levers: tuple = ()
+    overrides: tuple = ()  # (field, value) pairs
     pdl: Optional[bool] = None
 
 
-SETTING_FORMS = "variant=NAME, lever=NAME (repeatable), pdl=on|off, or default"
+SETTING_FORMS = "variant=NAME, lever=NAME, sm90.FIELD=VALUE, pdl=on|off, or default"
 
 
-def parse_setting(text: str, b200_variants: tuple, sm90_variants: tuple, levers: tuple) -> KernelSetting:
-    """A `--ab` setting: comma-separated items of SETTING_FORMS; ValueError naming the item that is wrong."""
+def _override_value(kind: type, value: str):
+    """A --ab value for an Sm90GemmConfig field of type `kind` (on/off for a switch), or None if it is not one."""
+    if kind is bool:
+        return {"on": True, "off": False}.get(value)
+    return int(value) if kind is int and value.isdigit() else None
+
+
+def parse_setting(text: str, variants: tuple, levers: tuple, field_types: dict) -> KernelSetting:
+    """A `--ab` setting: comma-separated items of SETTING_FORMS (`lever=NAME` is `sm90.NAME=on`, for a name of
+    `levers`; FIELD a key of `field_types`), each kind once; ValueError naming the item that is wrong."""
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
         raise ValueError(f"--ab: empty setting {text!r}; give {SETTING_FORMS}")
-    variant, chosen, pdl = None, [], None
+    variant, overrides, pdl = None, {}, None
     for item in items:
         if item == "default":
             continue
         key, _, value = item.partition("=")
-        if key == "variant" and value in b200_variants + sm90_variants and variant is None:
+        if key == "variant":
+            ok, expected = value in variants and variant is None, f"one of {', '.join(variants)}, once"
             variant = value
-        elif key == "lever" and value in levers and value not in chosen:
-            chosen.append(value)
-        elif key == "pdl" and value in ("on", "off") and pdl is None:
+        elif key == "pdl":
+            ok, expected = value in ("on", "off") and pdl is None, "on or off, once"
             pdl = value == "on"
+        elif key == "lever" or key.startswith("sm90."):
+            field = value if key == "lever" else key[len("sm90."):]
+            kind = field_types.get(field)
+            setting = (value in levers or None) if key == "lever" else kind and _override_value(kind, value)
+            ok = setting is not None and field not in overrides
+            expected = (f"one of {', '.join(levers)}" if key == "lever" else
+                        f"a field of {', '.join(field_types)}" if kind is None else
+                        "on or off" if kind is bool else "a non-negative integer") + ", once"
+            overrides[field] = setting
         else:
-            names = {"variant": b200_variants + sm90_variants, "lever": levers, "pdl": ("on", "off")}.get(key)
-            what = (f"one of {', '.join(names)}, given once" if names else SETTING_FORMS)
-            raise ValueError(f"--ab: {item!r} in setting {text!r}: expected {what}")
-    return KernelSetting(text, variant, tuple(chosen), pdl)
+            ok, expected = False, SETTING_FORMS
+        if not ok:
+            raise ValueError(f"--ab: {item!r} in setting {text!r}: expected {expected}")
+    return KernelSetting(text, variant, tuple(overrides.items()), pdl)
 
 
 def apply_setting(submission, sm90, setting: KernelSetting, default_pdl: bool) -> None:
@@ -417,7 +436,7 @@ def apply_setting(submission, sm90, setting: KernelSetting, default_pdl: bool) -
     hopper = setting.variant if setting.variant in sm90.SM90_VARIANTS else sm90.DEFAULT_SM90_VARIANT
     submission.set_variant(b200)
     sm90.set_sm90_variant(hopper)
-    sm90.set_sm90_levers(*setting.levers)
+    sm90.set_sm90_overrides(**dict(setting.overrides))
     submission.set_pdl(default_pdl if setting.pdl is None else setting.pdl)
 
 
@@ -634,8 +653,8 @@ def main(argv=None) -> int:
     texts = args.ab or (("pdl=on", "pdl=off") if args.pdl_ab else ())
     try:
         sm90 = hopper_module()
-        settings = tuple(parse_setting(text, tuple(submission.KERNEL_VARIANTS), tuple(sm90.SM90_VARIANTS),
-                                       tuple(sm90.SM90_LEVERS)) for text in texts)
+        settings = tuple(parse_setting(text, (*submission.KERNEL_VARIANTS, *sm90.SM90_VARIANTS), sm90.SM90_LEVERS,
+                                       sm90.sm90_override_types()) for text in texts)
     except ValueError as err:
         return harness.usage_error("bench.py", str(err))
     if not torch.cuda.is_available():

@@ -30,8 +30,8 @@ How to use it (besides submission.custom_kernel):
     set_sm90_variant(name)   one of SM90_VARIANTS ("sm90_auto": choose_sm90_config's choice, M-exact tiles
                              planned per problem; the others force one variant; NVFP4_SM90_VARIANT=name at
                              import)
-    set_sm90_levers(*names)  turn on levers under measurement (SM90_LEVERS: Sm90GemmConfig switches every
-                             variant leaves off; `bench.py --ab` times the kernel with and without them)
+    set_sm90_overrides(**fields)   Sm90GemmConfig fields over every build's, for side-by-side runs (`bench.py
+                             --ab`), such as the levers under measurement (SM90_LEVERS, off in every variant)
     plan_sm90_work(sizes, num_sms, ...)   the M-exact kernel's host plan, no GPU needed
 docs/HOPPER_NOTES.md has the design and the measured log.
 """
@@ -147,9 +147,10 @@ class Sm90GemmConfig:
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
-    tile_prefetch: a lever (`SM90_LEVERS`): the producer and the consumers, on starting a part, prefetch the
-      work-list entry of the CTA's next part into L1, so that its load at the next tile is not a DRAM round
-      trip on the path from one tile's last chunk to the next one's first.
+    tile_prefetch: a lever (`SM90_LEVERS`): the producer, on starting a part, prefetches the CTA's next part's
+      work-list entry into L1, and once the part's loads are issued, that part's size row and scale pointers:
+      the loads it waits for between one part's last TMA load and the next one's first (docs/HOPPER_NOTES.md
+      v33).
     """
 
     num_stages: int = 0
@@ -666,27 +667,38 @@ def set_sm90_variant(name: str) -> None:
     host.forget_prepared_calls()
 
 
-# Levers under measurement: Sm90GemmConfig switches that every variant leaves off until a side-by-side run on a
-# GPU decides (docs/HOPPER_NOTES.md gives each one's prediction). `set_sm90_levers` turns them on in every build
-# custom_kernel and compile_for take from then on (each setting its own compiled kernel: the fields are in the
-# compile key); `bench.py --ab` times the kernel with and without them in one process.
+# Side-by-side runs on a GPU (`bench.py --ab`): Sm90GemmConfig fields that every Hopper build custom_kernel and
+# compile_for take, over their variant's own. SM90_LEVERS are the switches kept for such runs: off in every
+# variant until one decides (docs/HOPPER_NOTES.md gives each one's prediction).
 SM90_LEVERS = ("tile_prefetch",)
-SM90_LEVERS_ON: frozenset = frozenset()
+SM90_OVERRIDES: dict = {}
 
 
-def set_sm90_levers(*names: str) -> None:
-    """Turn on exactly the named levers (each one of SM90_LEVERS; none: all off) in every Hopper build from now
-    on."""
-    global SM90_LEVERS_ON
-    for name in names:
-        _check_setter_name("set_sm90_levers", "Hopper lever", name, SM90_LEVERS)
-    SM90_LEVERS_ON = frozenset(names)
+def sm90_override_types() -> dict:
+    """The type of each Sm90GemmConfig field an override may set (use_pdl has its own setter, set_pdl)."""
+    return {field.name: type(getattr(Sm90GemmConfig(), field.name)) for field in dataclasses.fields(Sm90GemmConfig)
+            if field.name != "use_pdl"}
+
+
+def set_sm90_overrides(**fields) -> None:
+    """Exactly these Sm90GemmConfig fields (none: the variants' own) over every Hopper build from now on, e.g.
+    `set_sm90_overrides(tile_prefetch=True)` or `(num_stages=8)`; each setting is its own compiled kernel (the
+    fields are in the compile key). An unknown field or a value of another type raises here; a combination a
+    build cannot take raises Sm90GemmConfig's ValueError when that build is chosen."""
+    global SM90_OVERRIDES
+    types = sm90_override_types()
+    for name, value in fields.items():
+        if name not in types:
+            raise ValueError(f"set_sm90_overrides: {name!r} is not a field it sets; choose from {', '.join(types)}")
+        if type(value) is not types[name]:
+            raise TypeError(f"set_sm90_overrides: {name} takes a {types[name].__name__}, not {value!r}")
+    SM90_OVERRIDES = dict(fields)
     host.forget_prepared_calls()  # as set_sm90_variant: a prepared call holds the other setting's launch
 
 
-def with_sm90_levers(config: Sm90GemmConfig) -> Sm90GemmConfig:
-    """`config` with the levers of SM90_LEVERS_ON turned on."""
-    return dataclasses.replace(config, **dict.fromkeys(SM90_LEVERS_ON, True)) if SM90_LEVERS_ON else config
+def with_sm90_overrides(config: Sm90GemmConfig) -> Sm90GemmConfig:
+    """`config` with SM90_OVERRIDES over its fields."""
+    return dataclasses.replace(config, **SM90_OVERRIDES) if SM90_OVERRIDES else config
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1970,14 +1982,14 @@ class Sm90Backend(KernelBackend):
 
     def config(self, sizes, num_sms: int) -> Sm90GemmConfig:
         if SM90_VARIANT in SM90_VARIANT_CONFIGS:
-            return with_sm90_levers(SM90_VARIANT_CONFIGS[SM90_VARIANT])
-        return with_sm90_levers(self.weight_shape_choice(sizes, num_sms, choose_sm90_config))
+            return with_sm90_overrides(SM90_VARIANT_CONFIGS[SM90_VARIANT])
+        return with_sm90_overrides(self.weight_shape_choice(sizes, num_sms, choose_sm90_config))
 
     def compile_config(self, variant: Optional[str]) -> Sm90GemmConfig:
         if variant is not None:
             _check_choice("Hopper variant", variant, tuple(SM90_VARIANT_CONFIGS))
-            return with_sm90_levers(SM90_VARIANT_CONFIGS[variant])
-        return with_sm90_levers(choose_sm90_config((), SM90_COMPILE_SMS))
+            return with_sm90_overrides(SM90_VARIANT_CONFIGS[variant])
+        return with_sm90_overrides(choose_sm90_config((), SM90_COMPILE_SMS))
 
     def key_config(self, config: Sm90GemmConfig) -> Sm90GemmConfig:
         return dataclasses.replace(config, split_k=True)  # the plan's choice: the same kernel runs both

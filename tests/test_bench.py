@@ -332,22 +332,26 @@ def test_timing_loop_is_the_runners(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------
 # --ab: two kernel settings, alternating
 # ---------------------------------------------------------------------------------------------------------
-NAMES = (("persistent", "seed"), ("sm90_auto", "sm90_a16_pairs"), ("tile_prefetch",))
+NAMES = (("persistent", "seed", "sm90_auto", "sm90_a16_pairs"), ("tile_prefetch",),
+         {"tile_prefetch": bool, "num_stages": int})
 
 
 def test_ab_settings_parse_every_form():
     assert bench.parse_setting("default", *NAMES) == bench.KernelSetting("default")
-    text = "variant=sm90_a16_pairs, lever=tile_prefetch,pdl=off"
-    assert bench.parse_setting(text, *NAMES) == bench.KernelSetting(text, "sm90_a16_pairs", ("tile_prefetch",), False)
-    assert bench.parse_setting("variant=seed,pdl=on", *NAMES) == bench.KernelSetting("variant=seed,pdl=on", "seed",
-                                                                                     (), True)
+    text = "variant=sm90_a16_pairs, lever=tile_prefetch,sm90.num_stages=12, pdl=off"
+    assert bench.parse_setting(text, *NAMES) == bench.KernelSetting(
+        text, "sm90_a16_pairs", (("tile_prefetch", True), ("num_stages", 12)), False)
+    assert bench.parse_setting("variant=seed,pdl=on,sm90.tile_prefetch=off", *NAMES) == bench.KernelSetting(
+        "variant=seed,pdl=on,sm90.tile_prefetch=off", "seed", (("tile_prefetch", False),), True)
 
 
 @pytest.mark.parametrize("text,piece", [
     (" , ", "empty setting"), ("variant=bogus", "'variant=bogus' in setting 'variant=bogus': expected one of persistent"),
-    ("lever=x", "expected one of tile_prefetch, given once"), ("pdl=1", "expected one of on, off"),
-    ("variant=seed,variant=persistent", "'variant=persistent'"), ("lever=tile_prefetch,lever=tile_prefetch", "given once"),
-    ("speed=2", "expected variant=NAME, lever=NAME (repeatable), pdl=on|off, or default"),
+    ("lever=x", "expected one of tile_prefetch, once"), ("pdl=1", "expected on or off, once"),
+    ("variant=seed,variant=persistent", "'variant=persistent'"), ("lever=tile_prefetch,sm90.tile_prefetch=on", "once"),
+    ("sm90.bogus=1", "expected a field of tile_prefetch, num_stages, once"),
+    ("sm90.num_stages=x", "expected a non-negative integer"), ("sm90.tile_prefetch=1", "expected on or off"),
+    ("speed=2", "expected variant=NAME, lever=NAME, sm90.FIELD=VALUE, pdl=on|off, or default"),
 ])
 def test_ab_settings_name_the_wrong_item(text, piece):
     with pytest.raises(ValueError) as raised:
@@ -374,26 +378,26 @@ def hopper_settings(monkeypatch):
     monkeypatch.setattr(submission, "USE_PDL", True)
     monkeypatch.setattr(submission, "_prepared_calls", {})
     monkeypatch.setattr(sm90, "SM90_VARIANT", sm90.SM90_VARIANT)
-    monkeypatch.setattr(sm90, "SM90_LEVERS_ON", sm90.SM90_LEVERS_ON)
+    monkeypatch.setattr(sm90, "SM90_OVERRIDES", sm90.SM90_OVERRIDES)
     return sm90
 
 
 def test_ab_times_each_setting_as_selected_and_restores_the_defaults(monkeypatch, capsys, hopper_settings):
     sm90 = hopper_settings
-    state = lambda: (submission.KERNEL_VARIANT, sm90.SM90_VARIANT, tuple(sorted(sm90.SM90_LEVERS_ON)),  # noqa: E731
+    state = lambda: (submission.KERNEL_VARIANT, sm90.SM90_VARIANT, tuple(sorted(sm90.SM90_OVERRIDES.items())),  # noqa: E731
                      submission.USE_PDL)
     checked, timed = [], []
     monkeypatch.setattr(bench, "case_inputs", lambda case: ["input"])
     monkeypatch.setattr(bench, "wrong", lambda fn, case, inputs, what: checked.append((what, state())) and False)
     # B (the lever on) takes 0.9 of A's time
     monkeypatch.setattr(bench, "_time_per_call", lambda fn, inputs, repeats: timed.append(state()) or (
-        9.0 if sm90.SM90_LEVERS_ON else 10.0))
+        9.0 if sm90.SM90_OVERRIDES.get("tile_prefetch") else 10.0))
     settings = (bench.parse_setting("variant=sm90_a16_pairs,pdl=off", *NAMES),
                 bench.parse_setting("variant=sm90_a16_pairs,pdl=off,lever=tile_prefetch", *NAMES))
     cases = harness.load_cases(str(ROOT / "task.yml"), "benchmarks")[:2]
     assert bench.ab(submission, cases, settings, 2, 3) == 0
     a = (submission.DEFAULT_KERNEL_VARIANT, "sm90_a16_pairs", (), False)
-    b = (submission.DEFAULT_KERNEL_VARIANT, "sm90_a16_pairs", ("tile_prefetch",), False)
+    b = (submission.DEFAULT_KERNEL_VARIANT, "sm90_a16_pairs", (("tile_prefetch", True),), False)
     assert checked == [("setting " + settings[0].text, a), ("setting " + settings[1].text, b)] * 2
     assert timed == [a, b, b, a] * 2
     lines = capsys.readouterr().out.strip().splitlines()

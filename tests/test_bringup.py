@@ -208,12 +208,12 @@ def test_set_sm90_variant_forgets_the_prepared_calls(monkeypatch):
     # call prepared under one Hopper variant is never reused under another (its config differs).
     monkeypatch.setattr(submission_sm90, "SM90_VARIANT", "sm90_auto")
     monkeypatch.setattr(submission, "_prepared_calls", {})
-    monkeypatch.setattr(submission, "can_implement", lambda data: (True, ""))
+    monkeypatch.setattr(submission, "_check_input", lambda data: ("", None))
     monkeypatch.setattr(submission, "_check_device", lambda device: None)
     monkeypatch.setattr(submission, "_target_arch", lambda device: "sm_90a")
     monkeypatch.setattr(submission, "kernel_config", lambda data, device: submission_sm90.SM90_VARIANT)
     monkeypatch.setattr(submission, "compiled_gemm", lambda groups, arch, config: ("kernel", config))
-    monkeypatch.setattr(submission, "launch_metadata", lambda data, device, config: None)
+    monkeypatch.setattr(submission, "launch_metadata", lambda data, device, config, pointers: None)
     launches = []
     monkeypatch.setattr(submission, "make_call_launcher",
                         lambda groups, arch, config, kernel, metadata: lambda: launches.append(kernel[1]))
@@ -231,37 +231,46 @@ def test_set_sm90_variant_forgets_the_prepared_calls(monkeypatch):
     assert len(submission._prepared_calls) == 1
 
 
-def test_sm90_levers_turn_on_in_every_hopper_build_and_key(monkeypatch):
+def test_sm90_overrides_reach_every_hopper_build_and_key(monkeypatch):
     monkeypatch.setattr(submission, "_target_arch", lambda device: "sm_90a")
     monkeypatch.setattr(submission, "_device_sm_count", lambda index: 132)
     monkeypatch.setattr(submission_sm90, "SM90_VARIANT", "sm90_auto")
-    monkeypatch.setattr(submission_sm90, "SM90_LEVERS_ON", frozenset())
+    monkeypatch.setattr(submission_sm90, "SM90_OVERRIDES", {})
     device = torch.device("cuda", 0)
     data = (None, None, None, [(128, 4096, 1536, 1)])
     off = submission.kernel_config(data, device)
-    assert not any(getattr(off, lever) for lever in submission_sm90.SM90_LEVERS)  # every variant leaves them off
-    for lever in submission_sm90.SM90_LEVERS:
-        submission_sm90.set_sm90_levers(lever)
+    for variant in submission_sm90.SM90_VARIANT_CONFIGS.values():  # every variant leaves the levers off
+        assert not any(getattr(variant, lever) for lever in submission_sm90.SM90_LEVERS)
+    for fields in [{lever: True} for lever in submission_sm90.SM90_LEVERS] + [dict(num_stages=8, tile_prefetch=True)]:
+        submission_sm90.set_sm90_overrides(**fields)
         on = submission.kernel_config(data, device)
-        assert on == dataclasses.replace(off, **{lever: True})
+        assert on == dataclasses.replace(off, **fields)
         assert submission_sm90.BACKEND.compile_config("sm90_a16_pairs") == dataclasses.replace(
-            submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_pairs"], **{lever: True})
-        # its own compiled kernel: the lever is part of the compile key
+            submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_pairs"], **fields)
+        # its own compiled kernel: the fields are part of the compile key
         assert submission.compile_key(8, "sm_90a", on) != submission.compile_key(8, "sm_90a", off)
-    submission_sm90.set_sm90_levers()
+    submission_sm90.set_sm90_overrides()
     assert submission.kernel_config(data, device) == off
+    # a combination the chosen build cannot take is Sm90GemmConfig's own error, when that build is chosen
+    submission_sm90.set_sm90_overrides(consumer_pairs=2)
+    with pytest.raises(ValueError, match="consumer_pairs=2"):
+        submission.kernel_config(data, device)
 
 
-def test_set_sm90_levers_rejects_bad_names_and_forgets_the_prepared_calls(monkeypatch):
-    monkeypatch.setattr(submission_sm90, "SM90_LEVERS_ON", frozenset())
+def test_set_sm90_overrides_rejects_bad_fields_and_forgets_the_prepared_calls(monkeypatch):
+    monkeypatch.setattr(submission_sm90, "SM90_OVERRIDES", {})
     monkeypatch.setattr(submission, "_prepared_calls", {"stand-in": None})
-    with pytest.raises(ValueError, match="unknown Hopper lever 'bogus'"):
-        submission_sm90.set_sm90_levers("bogus")
-    with pytest.raises(TypeError):
-        submission_sm90.set_sm90_levers(1)
-    assert submission_sm90.SM90_LEVERS_ON == frozenset() and submission._prepared_calls  # nothing changed
-    submission_sm90.set_sm90_levers(*submission_sm90.SM90_LEVERS)
-    assert submission_sm90.SM90_LEVERS_ON == frozenset(submission_sm90.SM90_LEVERS)
+    with pytest.raises(ValueError, match="'bogus' is not a field it sets"):
+        submission_sm90.set_sm90_overrides(bogus=True)
+    with pytest.raises(ValueError, match="'use_pdl' is not a field it sets"):  # set_pdl's
+        submission_sm90.set_sm90_overrides(use_pdl=False)
+    with pytest.raises(TypeError, match="tile_prefetch takes a bool, not 1"):
+        submission_sm90.set_sm90_overrides(tile_prefetch=1)
+    with pytest.raises(TypeError, match="num_stages takes a int, not True"):
+        submission_sm90.set_sm90_overrides(num_stages=True)
+    assert submission_sm90.SM90_OVERRIDES == {} and submission._prepared_calls  # nothing changed
+    submission_sm90.set_sm90_overrides(tile_prefetch=True)
+    assert submission_sm90.SM90_OVERRIDES == {"tile_prefetch": True}
     assert submission._prepared_calls == {}  # a prepared call holds the launch of the previous setting
 
 

@@ -167,7 +167,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import submission
 import submission_sm90
-submission_sm90.set_sm90_levers(sys.argv[2])
+submission_sm90.set_sm90_overrides(**{sys.argv[2]: True})
 try:
     submission.compile_for(8, "sm_90a", sys.argv[3])
 except Exception as err:  # 4.3.x without a driver: the cubin is written, then loading it fails

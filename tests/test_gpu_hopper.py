@@ -85,9 +85,9 @@ def sm90(request, monkeypatch):
     elif config not in ("auto", "levers"):
         forced = submission_sm90.SM90_VARIANT_CONFIGS[config.replace("pairs_levers", "sm90_a16_pairs")]
         monkeypatch.setattr(submission_sm90, "choose_sm90_config", lambda sizes, num_sms: forced)
-    # every lever on, or (the other configs) off whatever an earlier test left
-    monkeypatch.setattr(submission_sm90, "SM90_LEVERS_ON",
-                        frozenset(submission_sm90.SM90_LEVERS if "levers" in config else ()))
+    # every lever on, or (the other configs) none, whatever an earlier test left
+    monkeypatch.setattr(submission_sm90, "SM90_OVERRIDES",
+                        dict.fromkeys(submission_sm90.SM90_LEVERS, True) if "levers" in config else {})
     return submission
 
 
