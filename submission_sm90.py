@@ -151,6 +151,10 @@ class Sm90GemmConfig:
       work-list entry into L1, and once the part's loads are issued, that part's size row and scale pointers:
       the loads it waits for between one part's last TMA load and the next one's first (docs/HOPPER_NOTES.md
       v33).
+    b_scale_pairs: a lever (`SM90_LEVERS`): a consumer thread loads its two B scale bytes of a row and chunk as
+      one 16-bit word and widens both with one conversion (`scale_pair_to_f16x2`), which its dequantization
+      multiplies by as broadcast halves: no byte select and no 2^7 per scale; the epilogue multiplies by
+      2^21 instead of 2^14 (`epilogue_exponent`), so every output is the same (docs/HOPPER_NOTES.md v34).
     """
 
     num_stages: int = 0
@@ -164,6 +168,7 @@ class Sm90GemmConfig:
     consumer_pairs: int = 1
     a16_buffers: int = 0
     tile_prefetch: bool = False
+    b_scale_pairs: bool = False
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
@@ -670,7 +675,7 @@ def set_sm90_variant(name: str) -> None:
 # Side-by-side runs on a GPU (`bench.py --ab`): Sm90GemmConfig fields that every Hopper build custom_kernel and
 # compile_for take, over their variant's own. SM90_LEVERS are the switches kept for such runs: off in every
 # variant until one decides (docs/HOPPER_NOTES.md gives each one's prediction).
-SM90_LEVERS = ("tile_prefetch",)
+SM90_LEVERS = ("tile_prefetch", "b_scale_pairs")
 SM90_OVERRIDES: dict = {}
 
 
@@ -840,16 +845,17 @@ def ld_shared_v4_f32(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def stmatrix_f16_scaled(addr, values, *, loc=None, ip=None):
+def stmatrix_f16_scaled(addr, values, exponent: int = 14, *, loc=None, ip=None):
     """`stmatrix .trans` of four 8 x 8 fp16 matrices: matrix i's fragment register is
-    fp16x2(values[2 i] * 2^14, values[2 i + 1] * 2^14), the low half first (the 2^14 undoes the operand
-    encoding's 2^-14; exact). Lanes 8 i to 8 i + 7 give the addresses of matrix i's 16-byte rows; a row holds
-    one fragment column (.trans)."""
+    fp16x2(values[2 i] * 2^exponent, values[2 i + 1] * 2^exponent), the low half first (the power of two undoes
+    the operand encodings', `Sm90BlockScaledGroupedGemmKernel.epilogue_exponent`; exact). Lanes 8 i to 8 i + 7
+    give the addresses of matrix i's 16-byte rows; a row holds one fragment column (.trans)."""
     assert len(values) == 8
     regs = "h0, h1, h2, h3"
+    factor = f"0f{(127 + exponent) << 23:08X}"  # 2^exponent as an f32 immediate
     ptx = "{\n.reg .b32 " + regs + ";\n.reg .f32 lo, hi;\n"
     for i in range(4):
-        ptx += (f"mul.f32 lo, ${1 + 2 * i}, 0f46800000;\nmul.f32 hi, ${2 + 2 * i}, 0f46800000;\n"
+        ptx += (f"mul.f32 lo, ${1 + 2 * i}, {factor};\nmul.f32 hi, ${2 + 2 * i}, {factor};\n"
                 f"cvt.rn.f16x2.f32 h{i}, hi, lo;\n")
     ptx += f"stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {{{regs}}};\n}}"
     _asm(None, [_i32(addr, loc, ip)] + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values], ptx,
@@ -872,10 +878,29 @@ def scale_to_f16x2(scale_word, selector, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def fp4x8_to_f16x2x4(word, scale_f16x2, *, loc=None, ip=None):
+def ld_shared_u16(addr, *, loc=None, ip=None):
+    """16 bits of shared memory, zero-extended into a 32-bit register."""
+    r = _asm(T.i32(), [_i32(addr, loc, ip)], "ld.shared.u16 $0, [$1];", "=r,r,~{memory}", True, loc, ip)
+    return cutlass.Uint32(r)
+
+
+@dsl_user_op
+def scale_pair_to_f16x2(scale_pair, *, loc=None, ip=None):
+    """The two e4m3 bytes in the low 16 bits of `scale_pair` as fp16x2 {s0, s1} (byte 0 the low half), by the
+    hardware e4m3x2 -> f16x2 conversion alone: exact for every code, e4m3 NaN gives fp16 NaN
+    (Sm90GemmConfig.b_scale_pairs: `fp4x8_to_f16x2x4` takes each scale as a broadcast half)."""
+    r = _asm(T.i32(), [_u32(scale_pair, loc, ip)],
+             "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $1;\ncvt.rn.f16x2.e4m3x2 $0, lo;\n}", "=r,r", False, loc, ip)
+    return cutlass.Uint32(r)
+
+
+@dsl_user_op
+def fp4x8_to_f16x2x4(word, scale_f16x2, half: Optional[int] = None, *, loc=None, ip=None):
     """8 e2m1 nibbles (nibble i = bits 4i..4i+3) -> 4 fp16x2 registers, register i holding
     (nibble i, nibble i+4) * scale. A nibble's s.e1.e0.m bits go to fp16 bits 15, 11, 10, 9, which is the
-    e2m1 value * 2^-14 (the e = 0 case is an fp16 subnormal); times scale * 2^7 (exact).
+    e2m1 value * 2^-14 (the e = 0 case is an fp16 subnormal); times the scale operand: `scale_to_f16x2`'s
+    scale * 2^7, or a half of `scale_pair_to_f16x2`'s, the scale alone (exact either way: the product is a
+    multiple of 2^-24 with at most 6 significant bits, an fp16 value, subnormal or not).
 
     Byte-wise (11 integer instructions + 4 multiplies per word, was 15 + 4): each byte's high nibble
     (u = word & 0xF0..) already has its sign at the byte's bit 7, and u >> 3 brings its magnitude to bits
@@ -883,15 +908,20 @@ def fp4x8_to_f16x2x4(word, scale_f16x2, *, loc=None, ip=None):
     (one lop3, (a | b) & c) is that nibble's fp16 high byte; the low nibbles (w = word & 0x0F..) get the
     same from w << 4 | w << 1. Bytes 1 and 3 are the high bytes of the two fp16 halves as they stand
     (registers 2, 3); bytes 0 and 2 move up by 8 (registers 0, 1). H200: 3-8 % faster (docs/HOPPER_NOTES.md
-    v18)."""
+    v18).
+
+    half (0 or 1): `scale_f16x2` holds two scales (`scale_pair_to_f16x2`) and this one multiplies by that
+    half of it in both lanes (a register broadcast that ptxas folds into each HMUL2 operand)."""
+    scale = "$5" if half is None else "s"
     r = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_u32(word, loc, ip), _u32(scale_f16x2, loc, ip)],
-             "{\n.reg .b32 u, t, w, a, h;\n"
-             "and.b32 u, $4, 0xF0F0F0F0;\nshr.b32 t, u, 3;\n"
-             "lop3.b32 h, u, t, 0x8E008E00, 0xA8;\nmul.rn.f16x2 $3, h, $5;\n"
-             "lop3.b32 h, u, t, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\nmul.rn.f16x2 $1, h, $5;\n"
+             "{\n.reg .b32 u, t, w, a, h, s;\n.reg .b16 s0, s1;\n"
+             + ("" if half is None else f"mov.b32 {{s0, s1}}, $5;\nmov.b32 s, {{s{half}, s{half}}};\n")
+             + "and.b32 u, $4, 0xF0F0F0F0;\nshr.b32 t, u, 3;\n"
+             f"lop3.b32 h, u, t, 0x8E008E00, 0xA8;\nmul.rn.f16x2 $3, h, {scale};\n"
+             f"lop3.b32 h, u, t, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\nmul.rn.f16x2 $1, h, {scale};\n"
              "and.b32 w, $4, 0x0F0F0F0F;\nshl.b32 a, w, 4;\nshl.b32 w, w, 1;\n"
-             "lop3.b32 h, a, w, 0x8E008E00, 0xA8;\nmul.rn.f16x2 $2, h, $5;\n"
-             "lop3.b32 h, a, w, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\nmul.rn.f16x2 $0, h, $5;\n}",
+             f"lop3.b32 h, a, w, 0x8E008E00, 0xA8;\nmul.rn.f16x2 $2, h, {scale};\n"
+             f"lop3.b32 h, a, w, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\nmul.rn.f16x2 $0, h, {scale};\n}}",
              "=r,=r,=r,=r,r,r", False, loc, ip)
     return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
 
@@ -1238,6 +1268,10 @@ class Sm90BlockScaledGroupedGemmKernel:
         # for the consumers (widths up to 32 keep their wgmmas pipelined there, one word spilled outside the
         # chunk loop; docs/HOPPER_NOTES.md, open items)
         self.consumer_regs = 112 if self.pairs == 2 else (232 if self.prepass else 208)
+        # The accumulator holds the products' sum times 2^-exponent: each operand's e2m1 code is its value
+        # times 2^-14 (`fp4x8_to_f16x2x4`), times its scale times 2^7 (`scale_to_f16x2`): 2^-7 each, or (B
+        # with b_scale_pairs) times the scale alone: 2^-14 for B.
+        self.epilogue_exponent = 21 if config.b_scale_pairs else 14
 
     @cute.jit
     def group_sizes(self, sizes: cute.Tensor, group: cutlass.Int32):
@@ -1744,6 +1778,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         b_off = b_row * 64 + 16 * (q ^ ((b_row >> 1) & 3))
         sfb_off = (b_row // 128) * self.SF_BYTES + (q // 2) * 512 + (b_row % 32) * 16 + ((b_row // 32) % 4) * 4
         b_sel = cutlass.Uint32(2 * (q % 2) * 0x11)  # `scale_to_f16x2`'s selector of this thread's first scale byte
+        if cutlass.const_expr(self.config.b_scale_pairs):
+            sfb_off = sfb_off + 2 * (q % 2)  # this thread's two scale bytes (k blocks 2 q, 2 q + 1) as one word
         chunk = cutlass.Int32(0)
         last_g = cutlass.Int32(-1)
         scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
@@ -1906,7 +1942,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             # of 16 (SM90_WIDTHS)
             for j in cutlass.range_constexpr(rows // 16):
                 addr = c_slab + (16 * j + 8 * (lane // 16) + row) * 128 + ((2 * w + (lane // 8) % 2) ^ row) * 16
-                stmatrix_f16_scaled(addr, [acc[64 * p + 8 * j + e] for e in range(8)])
+                stmatrix_f16_scaled(addr, [acc[64 * p + 8 * j + e] for e in range(8)], self.epilogue_exponent)
             fence_smem_for_async_proxy()
             cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
             if w == 0:
@@ -1926,9 +1962,15 @@ class Sm90BlockScaledGroupedGemmKernel:
 
         # -- this thread's B rows (r, r + 8) and their scale words; then release the stage
         b_words = [ld_shared_v4(stage_b + b_off + 512 * half) for half in range(2)]
-        b_sf = [ld_shared_u32(sf_b + sfb_off + 128 * half) for half in range(2)]
-        release_read_stage(stage_pipe, state)
-        b_sc = [[scale_to_f16x2(b_sf[r], b_sel + e * 0x11) for e in range(2)] for r in range(2)]
+        if cutlass.const_expr(self.config.b_scale_pairs):
+            # per row one register of both scales, b_sc[r][e] its half e (`fp4x8_to_f16x2x4`'s `half`)
+            b_pairs = [scale_pair_to_f16x2(ld_shared_u16(sf_b + sfb_off + 128 * half)) for half in range(2)]
+            release_read_stage(stage_pipe, state)
+            b_sc = [[(b_pairs[r], e) for e in range(2)] for r in range(2)]
+        else:
+            b_sf = [ld_shared_u32(sf_b + sfb_off + 128 * half) for half in range(2)]
+            release_read_stage(stage_pipe, state)
+            b_sc = [[(scale_to_f16x2(b_sf[r], b_sel + e * 0x11), None) for e in range(2)] for r in range(2)]
         a16_pipe.consumer_wait(a16_state)
         # The previous chunk's fp16 A buffer, released at t == 1 below once its wgmmas have retired. A tile's
         # first chunk releases its pair's spare barrier after the ring instead (`spare`: index num_a16 + pair):
@@ -1946,8 +1988,8 @@ class Sm90BlockScaledGroupedGemmKernel:
                 # every wgmma of the previous chunk has retired: its fp16 A buffer can be refilled
                 a16_pipe.consumer_release(prev_state)
             frag_u32 = cute.recast_tensor(frags[t % 2], cutlass.Uint32)
-            o0 = fp4x8_to_f16x2x4(b_words[0][t], b_sc[0][t // 2])
-            o1 = fp4x8_to_f16x2x4(b_words[1][t], b_sc[1][t // 2])
+            o0 = fp4x8_to_f16x2x4(b_words[0][t], *b_sc[0][t // 2])
+            o1 = fp4x8_to_f16x2x4(b_words[1][t], *b_sc[1][t // 2])
             for i in cutlass.range_constexpr(4):
                 step = i // 2
                 slot = i % 2

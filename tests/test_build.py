@@ -177,7 +177,7 @@ print("BUILD_OK")
 """
 
 # What each lever under measurement puts in the SASS of the GEMM (submission_sm90.SM90_LEVERS).
-LEVER_SASS = {"tile_prefetch": "CCTL.E.PF1"}
+LEVER_SASS = {"tile_prefetch": "CCTL.E.PF1", "b_scale_pairs": "LDS.U16"}
 
 
 @pytest.mark.parametrize("variant", ["sm90_a16_mexact", "sm90_a16_pairs"])

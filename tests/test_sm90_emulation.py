@@ -4,8 +4,10 @@ Checks, for one 128-k chunk of a 128 x 128 tile, that
   * the e2m1 -> fp16 and e4m3 -> fp16 bit tricks are exact for every code,
   * the A side (fp16 buffer written by the consumers, read through the wgmma SW128 K-major layout) and
     the B side (register fragment, wgmma A-operand thread/value layout) use the same k permutation,
-so that sum_k Alog[m, k] * Blog[n, k] * 2^14 equals the exact dequantized product for the chunk.
-It mirrors the constants and formulas of submission.py's Sm90 helpers (scale_to_f16x2,
+so that sum_k Alog[m, k] * Blog[n, k] * 2^14 equals the exact dequantized product for the chunk; and the same
+with the B scales of Sm90GemmConfig.b_scale_pairs (both of a thread's scale bytes of a row in one 16-bit load and
+one conversion, each multiplied as a broadcast half, no 2^7: the product times 2^21).
+It mirrors the constants and formulas of submission_sm90.py's helpers (scale_to_f16x2, scale_pair_to_f16x2,
 fp4x8_to_f16x2x4, the transform and consumer index math): change both together.
 """
 import numpy as np
@@ -44,11 +46,23 @@ def scale_to_f16x2(word, sel):
     return f16x2_mul(lo | (hi << 16), 0x58005800)
 
 
+def scale_pair_to_f16x2(pair):
+    # the two bytes of the low 16 bits, each widened by the hardware e4m3 -> fp16 conversion (torch's cast here),
+    # byte 0 into the low half; nothing else
+    return (int(E4M3_AS_F16[pair & 0xFF]) & 0xFFFF) | ((int(E4M3_AS_F16[(pair >> 8) & 0xFF]) & 0xFFFF) << 16)
+
+
+def broadcast(sc, half):
+    h = (sc >> (16 * half)) & 0xFFFF  # the HMUL2 operand's .H0_H0 / .H1_H1
+    return h | (h << 16)
+
+
 def lop3_or_and(a, b, c):
     return (a | b) & c  # lop3.b32 with LUT 0xA8
 
 
-def fp4x8_to_f16x2x4(w, sc):
+def fp4x8_to_f16x2x4(w, sc, half=None):
+    sc = sc if half is None else broadcast(sc, half)
     u = w & 0xF0F0F0F0
     t = u >> 3
     lw = w & 0x0F0F0F0F
@@ -86,6 +100,21 @@ def check_bit_tricks():
             got = halves(regs[i])
             want = np.array([E2M1[(w >> (4 * i)) & 0xF], E2M1[(w >> (4 * (i + 4))) & 0xF]]) * e4m3[s] * 2.0 ** -7
             assert (got == want).all(), (hex(w), s, i, got, want)
+    # b_scale_pairs: every e4m3 code in either byte of the pair, and every e2m1 code times every scale, exact at
+    # 2^-14 (fp16 subnormals included: v s 2^-14 is a multiple of 2^-24 below 2^-14)
+    for v in range(256):
+        pair = scale_pair_to_f16x2(v | (0x5A << 8))
+        assert halves(pair)[1] == e4m3[0x5A]
+        got = halves(scale_pair_to_f16x2((v << 8) | 0x5A))
+        assert got[0] == e4m3[0x5A] and ((np.isnan(e4m3[v]) and np.isnan(got[1])) or got[1] == e4m3[v]), v
+        if v & 0x7F == 0x7F:
+            continue
+        for code in range(16):
+            word = code * 0x11111111  # the code in every nibble
+            for half in range(2):
+                sc = scale_pair_to_f16x2((v << (8 * half)) | (0x3C << (8 * (1 - half))))
+                for reg in fp4x8_to_f16x2x4(word, sc, half):
+                    assert (halves(reg) == E2M1[code] * e4m3[v] * 2.0 ** -14).all(), (code, v, half)
     print("bit tricks: exact for all e4m3 codes and random e2m1 words")
 
 
@@ -93,7 +122,7 @@ def sw64(row, chunk16):
     return row * 64 + 16 * (chunk16 ^ ((row >> 1) & 3))
 
 
-def check_chunk(seed=0):
+def check_chunk(seed=0, scale_pairs=False):
     rng = np.random.default_rng(seed)
     a_bytes = rng.integers(0, 256, (128, 64), dtype=np.uint8)
     b_bytes = rng.integers(0, 256, (128, 64), dtype=np.uint8)
@@ -119,6 +148,7 @@ def check_chunk(seed=0):
     stage[16384:17408] = sf_slice(sfa)
     stage[17408:18432] = sf_slice(sfb)
     u32 = lambda off: int(stage[off:off + 4].view(np.uint32)[0])
+    u16 = lambda off: int(stage[off:off + 2].view(np.uint16)[0])
 
     a16 = np.zeros(128 * 128 * 2, np.uint8)
     blog = np.zeros((128, 128))
@@ -148,12 +178,16 @@ def check_chunk(seed=0):
                 frag = [0] * 32
                 for ri in range(2):  # rows b_row and b_row + 8: +512 B of B, +128 B of SFB
                     bw = [u32(8192 + b_off + 512 * ri + 4 * t) for t in range(4)]
-                    sfw = u32(17408 + sfb_off + 128 * ri)
-                    bsel = 2 * (q % 2)
-                    sc = [scale_to_f16x2(sfw, bsel * 0x11),
-                          scale_to_f16x2(sfw, (bsel + 1) * 0x11)]
+                    if scale_pairs:  # the 16-bit load at the thread's pair, one conversion, broadcast halves
+                        pair = scale_pair_to_f16x2(u16(17408 + sfb_off + 2 * (q % 2) + 128 * ri))
+                        sc = [(pair, 0), (pair, 1)]
+                    else:
+                        sfw = u32(17408 + sfb_off + 128 * ri)
+                        bsel = 2 * (q % 2)
+                        sc = [(scale_to_f16x2(sfw, bsel * 0x11), None),
+                              (scale_to_f16x2(sfw, (bsel + 1) * 0x11), None)]
                     for t in range(4):
-                        o = fp4x8_to_f16x2x4(bw[t], sc[t // 2])
+                        o = fp4x8_to_f16x2x4(bw[t], *sc[t // 2])
                         for i in range(4):
                             step, slot = 2 * t + i // 2, i % 2
                             frag[4 * step + 2 * slot + ri] = o[i]
@@ -180,10 +214,10 @@ def check_chunk(seed=0):
         return E2M1[codes] * np.repeat(s, 16, axis=1)
 
     want = deq(a_bytes, sfa) @ deq(b_bytes, sfb).T
-    got = (alog @ blog.T) * 2.0 ** 14
+    got = (alog @ blog.T) * 2.0 ** (21 if scale_pairs else 14)  # the kernel's epilogue_exponent
     err = np.abs(got - want).max()
     assert err == 0.0, err
-    print(f"chunk emulation (seed {seed}): exact, max |value| {np.abs(want).max():.1f}")
+    print(f"chunk emulation (seed {seed}, scale_pairs={scale_pairs}): exact, max |value| {np.abs(want).max():.1f}")
 
 
 def test_bit_tricks_exact_for_every_code():
@@ -193,3 +227,8 @@ def test_bit_tricks_exact_for_every_code():
 def test_chunk_k_permutation_matches_between_operands():
     for seed in (0, 1):
         check_chunk(seed)
+
+
+def test_chunk_with_b_scale_pairs_is_the_same_product():
+    for seed in (0, 1):
+        check_chunk(seed, scale_pairs=True)
