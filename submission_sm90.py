@@ -155,6 +155,9 @@ class Sm90GemmConfig:
       one 16-bit word and widens both with one conversion (`scale_pair_to_f16x2`), which its dequantization
       multiplies by as broadcast halves: no byte select and no 2^7 per scale; the epilogue multiplies by
       2^21 instead of 2^14 (`epilogue_exponent`), so every output is the same (docs/HOPPER_NOTES.md v34).
+    chunk_pairs: a lever (`SM90_LEVERS`): the consumers' chunk loop takes two chunks per iteration (the second
+      never a part's first, so its spare-buffer select folds away), an odd last one after it: the loop's
+      counter, test and branch and the ring's bookkeeping once per two chunks (docs/HOPPER_NOTES.md v35).
     """
 
     num_stages: int = 0
@@ -169,6 +172,7 @@ class Sm90GemmConfig:
     a16_buffers: int = 0
     tile_prefetch: bool = False
     b_scale_pairs: bool = False
+    chunk_pairs: bool = False
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
@@ -675,7 +679,7 @@ def set_sm90_variant(name: str) -> None:
 # Side-by-side runs on a GPU (`bench.py --ab`): Sm90GemmConfig fields that every Hopper build custom_kernel and
 # compile_for take, over their variant's own. SM90_LEVERS are the switches kept for such runs: off in every
 # variant until one decides (docs/HOPPER_NOTES.md gives each one's prediction).
-SM90_LEVERS = ("tile_prefetch", "b_scale_pairs")
+SM90_LEVERS = ("tile_prefetch", "b_scale_pairs", "chunk_pairs")
 SM90_OVERRIDES: dict = {}
 
 
@@ -1821,12 +1825,27 @@ class Sm90BlockScaledGroupedGemmKernel:
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         acc.fill(0.0)
         pair = team[0] if cutlass.const_expr(self.pairs == 2) else 0  # the first of this warpgroup's chunks
-        for c in range(pair, num_chunks, self.pairs):
-            # NOTES: branch-free on purpose: a dynamic `if` between wgmma groups makes ptxas wait for every
-            # wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the SASS): the MMAs serialize.
-            first = cutlass.Int32(c == pair)
-            self.consume_chunk(chunk + c, first, self.num_a16 + pair, frags, acc, tCrB, tiled_mma, stage_pipe,
-                               a16_pipe, smem, b_off, sfb_off, b_sel)
+        step = self.pairs
+        if cutlass.const_expr(self.config.chunk_pairs):
+            # NOTES: the odd chunk's `if` comes after the loop's last wgmma group, and the SASS keeps every
+            # wait pipelined (tests/test_build.py counts the loop bodies and WARPGROUP.DEPBAR 1)
+            mine = (num_chunks - pair + step - 1) // step  # this pair's chunks
+            for j in range(mine // 2):
+                c = pair + 2 * step * j
+                self.consume_chunk(chunk + c, cutlass.Int32(j == 0), self.num_a16 + pair, frags, acc, tCrB,
+                                   tiled_mma, stage_pipe, a16_pipe, smem, b_off, sfb_off, b_sel)
+                self.consume_chunk(chunk + c + step, cutlass.Int32(0), self.num_a16 + pair, frags, acc, tCrB,
+                                   tiled_mma, stage_pipe, a16_pipe, smem, b_off, sfb_off, b_sel)
+            if mine % 2 == 1:
+                self.consume_chunk(chunk + pair + step * (mine - 1), cutlass.Int32(mine == 1), self.num_a16 + pair,
+                                   frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off, sfb_off, b_sel)
+        else:
+            for c in range(pair, num_chunks, step):
+                # NOTES: branch-free on purpose: a dynamic `if` between wgmma groups makes ptxas wait for every
+                # wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the SASS): the MMAs serialize.
+                first = cutlass.Int32(c == pair)
+                self.consume_chunk(chunk + c, first, self.num_a16 + pair, frags, acc, tCrB, tiled_mma, stage_pipe,
+                                   a16_pipe, smem, b_off, sfb_off, b_sel)
         warpgroup.wait_group(0)
         if cutlass.const_expr(self.pairs == 1):
             a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))

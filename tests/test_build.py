@@ -176,8 +176,12 @@ except Exception as err:  # 4.3.x without a driver: the cubin is written, then l
 print("BUILD_OK")
 """
 
-# What each lever under measurement puts in the SASS of the GEMM (submission_sm90.SM90_LEVERS).
-LEVER_SASS = {"tile_prefetch": "CCTL.E.PF1", "b_scale_pairs": "LDS.U16"}
+# What each lever under measurement shows in the SASS of the GEMM (submission_sm90.SM90_LEVERS), given the SASS,
+# its counts and the build's widths: the producer's L1 prefetches; the 16-bit loads of scale pairs; the chunk
+# loop's body twice and once more for an odd count (8 wgmmas a chunk, per width).
+LEVER_SASS = {"tile_prefetch": lambda sass, counts, widths: "CCTL.E.PF1" in sass,
+              "b_scale_pairs": lambda sass, counts, widths: "LDS.U16" in sass and ".H1_H1" in sass,
+              "chunk_pairs": lambda sass, counts, widths: counts["HGMMA"] == 3 * 8 * len(widths)}
 
 
 @pytest.mark.parametrize("variant", ["sm90_a16_mexact", "sm90_a16_pairs"])
@@ -194,7 +198,7 @@ def test_sm90a_lever_builds(tmp_path, lever, variant):
     assert cubins, list(tmp_path.rglob("*"))
     sass = subprocess.run([ev.find_cuobjdump(), "-sass", str(cubins[-1])], capture_output=True, text=True).stdout
     counts = ev.count_sass(sass)
-    assert LEVER_SASS[lever] in sass
+    assert LEVER_SASS[lever](sass, counts, submission_sm90.SM90_VARIANT_CONFIGS[variant].widths), counts
     assert counts["HGMMA"] > 0 and counts["WGDEP1"] > 0 and counts["PR2UR"] == 0, counts
     assert counts["LDL"] == 0 and counts["STL"] == 0, counts
 
