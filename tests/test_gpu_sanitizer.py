@@ -41,7 +41,8 @@ def _variants():
         return []
     import submission_sm90
 
-    return [*submission_sm90.SM90_VARIANT_CONFIGS, "two_launch"]
+    # the levers under measurement on the widest build and the consumer-pairs one
+    return [*submission_sm90.SM90_VARIANT_CONFIGS, "two_launch", "sm90_a16_mexact+levers", "sm90_a16_pairs+levers"]
 
 
 # One tool on one variant per test, so that a run can spread them over processes (`pytest -n`, or shards).
