@@ -55,6 +55,7 @@ How to use it (each function's docstring has the details):
     kernel_resources(variant=None)   shared and tensor memory, stages and threads of a variant's kernel
 Builds with nvidia-cutlass-dsl 4.3.5 and 4.8.1.
 """
+import array
 import ctypes
 import dataclasses
 import enum
@@ -64,7 +65,8 @@ import importlib.util
 import os
 import sys
 from collections import OrderedDict, deque
-from operator import attrgetter, is_
+from itertools import chain, compress
+from operator import attrgetter, eq, is_, or_
 from typing import Callable, Optional
 
 import torch
@@ -633,26 +635,35 @@ TABLE_RING_WORDS = 1 << 19
 _table_ring = PinnedTableRing(TABLE_RING_WORDS)
 
 
-def pack_group_metadata(groups: tuple, device: torch.device, work_words: Optional[torch.Tensor] = None) -> tuple:
-    """The two tables every kernel reads, from `groups` (`launch_metadata_key`'s rows: per group its
-    PtrColumn pointers, then its SizeColumn sizes), and after them the GEMM's work list where it has one
-    (`work_words`, int32 on the CPU): (pinned host staging piece, device buffer, pointer table int64
-    [G, PtrColumn] and size table int32 [G, SizeColumn] as views of the device buffer, the work list's view
-    of it or None). The device buffer is not written here: the caller launches `TableUploadKernel`, which
+def _int_tensor(typecode: str, values: tuple) -> torch.Tensor:
+    """A CPU tensor of `values` (at least one) as array.array `typecode` ("q": int64, "i": int32) stores them.
+
+    NOTES: by the buffer protocol: torch.tensor parses a sequence element by element (a MoE step's 256 groups'
+    pointers and sizes took ~0.2 ms), array.array converts a tuple of ints in one C loop."""
+    return torch.frombuffer(array.array(typecode, values), dtype=torch.int64 if typecode == "q" else torch.int32)
+
+
+def pack_group_metadata(contents: tuple, device: torch.device, work_words: Optional[torch.Tensor] = None) -> tuple:
+    """The two tables every kernel reads, from `contents` (`launch_metadata_key`'s: the groups' pointers
+    column by column, `kernel_pointers`, and their sizes group by group), and after them the GEMM's work list
+    where it has one (`work_words`, int32 on the CPU): (pinned host staging piece, device buffer, pointer table
+    int64 [G, PtrColumn] and size table int32 [G, SizeColumn] as views of the device buffer, the work list's
+    view of it or None). The device buffer is not written here: the caller launches `TableUploadKernel`, which
     copies the piece on the kernels' own queue (so a new input set never makes the host wait for queued
     kernels, as a torch copy from pageable memory would), then calls `_table_ring.uploaded()`."""
-    num_groups = len(groups)
+    pointers, sizes = contents
+    num_groups = len(sizes) // len(SizeColumn)
     ptr_words, words = table_words(num_groups)
     work_len = 0 if work_words is None else work_words.numel()
     if words + ceil_div(work_len, 2) > _table_ring.words:
         # NOTES: a work list too long for the staging ring (over ~130k tiles: a problem that keeps the GPU
         # busy for tens of milliseconds) goes up by an ordinary torch copy, which waits for the device.
-        staging, tables, ptr_table, size_table, _ = pack_group_metadata(groups, device)
+        staging, tables, ptr_table, size_table, _ = pack_group_metadata(contents, device)
         return staging, tables, ptr_table, size_table, work_words.to(device)
     staging = _table_ring.take(words + ceil_div(work_len, 2))
-    rows = torch.tensor(groups, dtype=torch.int64).view(num_groups, len(PtrColumn) + len(SizeColumn))
-    staging[:num_groups * len(PtrColumn)].view(num_groups, len(PtrColumn))[:] = rows[:, :len(PtrColumn)]
-    staging[ptr_words:words].view(torch.int32).view(num_groups, len(SizeColumn))[:] = rows[:, len(PtrColumn):]
+    staging[:num_groups * len(PtrColumn)].view(num_groups, len(PtrColumn)).t()[:] = (
+        _int_tensor("q", pointers).view(len(PtrColumn), num_groups))
+    staging[ptr_words:words].view(torch.int32)[:] = _int_tensor("i", sizes)
     if work_words is not None:
         staging[words:].view(torch.int32)[:work_len] = work_words
     tables = torch.empty(staging.numel(), dtype=torch.int64, device=device)
@@ -689,17 +700,29 @@ def descriptor_table(workspace_ptr, num_rows, slots: int):
     return cute.make_tensor(workspace_ptr, cute.make_layout((num_rows, slots, words), stride=(slots * words, words, 1)))
 
 
-def launch_metadata_key(data, tile_mn: tuple = SM100_CONFIG.tile_mn) -> tuple:
+def kernel_tensors(abc, sfasfb_reordered) -> tuple:
+    """The tensors the kernels read and write (KERNEL_TENSOR_NAMES, the PtrColumn order), one tuple of every
+    group's per name."""
+    a, b, c = zip(*abc)
+    sfa_r, sfb_r = zip(*sfasfb_reordered)
+    return a, b, c, sfa_r, sfb_r
+
+
+def kernel_pointers(tensors: tuple) -> tuple:
+    """The addresses of `kernel_tensors`, name after name: every group's a, then every b, c, blocked sfa and
+    blocked sfb (the pointer table [G, PtrColumn] transposed)."""
+    return tuple(map(torch.Tensor.data_ptr, chain.from_iterable(tensors)))
+
+
+def launch_metadata_key(data, tile_mn: tuple = SM100_CONFIG.tile_mn, pointers: Optional[tuple] = None) -> tuple:
     """Everything the launch metadata (tables, descriptor workspace) is built from: (device, tile shape (it
-    sets the tile count), per group its PtrColumn pointers then its SizeColumn sizes: the rows the tables
-    are packed from); not strides, which `can_implement` pins to the sizes. Pure function of tensor
-    metadata; works on CPU tensors."""
+    sets the tile count), the tables' contents: (`kernel_pointers`, given or read here, every group's
+    (m, n, k, l) one after another)); not strides, which `can_implement` pins to the sizes. Pure function of
+    tensor metadata; works on CPU tensors."""
     abc, _, sfasfb_r, sizes = data
-    groups = tuple(
-        (a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa_r.data_ptr(), sfb_r.data_ptr(), *size)
-        for (a, b, c), (sfa_r, sfb_r), size in zip(abc, sfasfb_r, sizes)
-    )
-    return (abc[0][0].device, tuple(tile_mn), groups)
+    if pointers is None:
+        pointers = kernel_pointers(kernel_tensors(abc, sfasfb_r))
+    return (abc[0][0].device, tuple(tile_mn), (pointers, tuple(chain.from_iterable(sizes))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2527,18 +2550,22 @@ def _group_signature(size: tuple) -> Optional[tuple]:
     return tuple(signature)
 
 
-# `isinstance`'s second argument for each of a group's tensors.
-_TENSOR_TYPES = (torch.Tensor,) * len(GROUP_TENSOR_NAMES)
-
-
 def _group_metadata(abc_entry, sfs_entry, sfs_reordered_entry) -> tuple:
     """One group's tensor metadata in `_group_signature`'s order, led by whether all seven are tensors;
     raises on entries that are not three, two and two objects with tensor attributes."""
     (a, b, c), (sfa, sfb), (sfa_r, sfb_r) = abc_entry, sfs_entry, sfs_reordered_entry
-    return (all(map(isinstance, (a, b, c, sfa, sfb, sfa_r, sfb_r), _TENSOR_TYPES)),
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(c, torch.Tensor)
+            and isinstance(sfa, torch.Tensor) and isinstance(sfb, torch.Tensor)
+            and isinstance(sfa_r, torch.Tensor) and isinstance(sfb_r, torch.Tensor),
             a.dtype, a.shape, a.stride(), b.dtype, b.shape, b.stride(), c.dtype, c.shape, c.stride(),
             sfa.dtype, sfa.shape, sfb.dtype, sfb.shape,
             sfa_r.dtype, sfa_r.shape, sfa_r.stride(), sfb_r.dtype, sfb_r.shape, sfb_r.stride())
+
+
+def _generator_layouts(abc, sfasfb, sfasfb_r, sizes) -> bool:
+    """Whether every group's tensors are laid out exactly as the task's generator makes them: their
+    `_group_metadata` equal to `_group_signature` of their valid sizes. Raises as `_group_metadata` does."""
+    return all(map(eq, map(_group_metadata, abc, sfasfb, sfasfb_r), map(_group_signature, map(tuple, sizes))))
 
 
 def _where(i: int, size) -> str:
@@ -2598,67 +2625,101 @@ def can_implement(data) -> tuple:
     one CUDA device, 16-byte aligned. A group with M = 0 is never read or written (its empty tensors may have
     any address, even 0); an input whose groups are all empty needs no device.
     """
+    reason, _ = _check_input(data)
+    return not reason, reason
+
+
+def _check_input(data) -> tuple:
+    """`can_implement`'s answer as (reason, pointers): reason "" where custom_kernel can run `data`, and then
+    its `kernel_pointers`, read once for the alignment check and the launch metadata (None where every group
+    is empty: nothing is launched)."""
     if not (isinstance(data, (tuple, list)) and len(data) == 4):
-        return False, "data must be a 4-tuple (abc_tensors, sfasfb_tensors, sfasfb_reordered_tensors, problem_sizes)"
+        return "data must be a 4-tuple (abc_tensors, sfasfb_tensors, sfasfb_reordered_tensors, problem_sizes)", None
     names = ("abc_tensors", "sfasfb_tensors", "sfasfb_reordered_tensors", "problem_sizes")
     for name, part in zip(names, data):
         if not isinstance(part, (list, tuple)):
-            return False, f"{name} must be a list, got {type(part).__name__}"
+            return f"{name} must be a list, got {type(part).__name__}", None
     abc, sfasfb, sfasfb_r, sizes = data
     lengths = [len(part) for part in data]
     if len(sizes) and len(set(lengths)) != 1:
-        return False, "the four lists differ in length: " + ", ".join(f"{n}={v}" for n, v in zip(names, lengths))
+        return "the four lists differ in length: " + ", ".join(f"{n}={v}" for n, v in zip(names, lengths)), None
     ok, reason = check_problem_sizes(sizes)
     if not ok:
-        return False, reason
+        return reason, None
+    try:  # the generator's exact layouts (every tensor of a MoE step, every call): one pass, no Python loop
+        generators = _generator_layouts(abc, sfasfb, sfasfb_r, sizes)
+    except Exception:  # NOTES: any error is left to _layout_reason, which names (or raises) it at its group
+        generators = False
+    if not generators:
+        reason = _layout_reason(abc, sfasfb, sfasfb_r, sizes)
+        if reason:
+            return reason, None
+    launched = [size[0] > 0 for size in sizes]
+    if not any(launched):
+        return "", None  # every group is empty: nothing is read, written or launched
+    first = launched.index(True)
+    device = abc[first][0].device
+    if device.type != KERNEL_DEVICE_TYPE:
+        return f"the tensors are on {device}: the kernel needs every tensor it reads on one CUDA device", None
+    tensors = kernel_tensors(abc, sfasfb_r)
+    read = [t for column in tensors for t in compress(column, launched)]
+    if [t.device for t in read].count(device) != len(read):
+        return _placement_reason(tensors, sizes, first), None
+    pointers = kernel_pointers(tensors)  # of the empty groups too: the tables hold every group's
+    if functools.reduce(or_, compress(pointers, launched * len(tensors)), 0) % GMEM_ALIGN_BYTES:
+        return _placement_reason(tensors, sizes, first), None
+    return "", pointers
+
+
+def _layout_reason(abc, sfasfb, sfasfb_r, sizes) -> str:
+    """Why the first group whose layout `custom_kernel` cannot read cannot be read, or "" where all can: group
+    by group the generator's exact layout first, the per-tensor checks (which also accept other strides of
+    length-1 dimensions) only where it differs."""
     for i, size in enumerate(sizes):
         size = tuple(size)
-        try:  # the generator's exact layout (every tensor of a MoE step, every call): one comparison
-            if _group_metadata(abc[i], sfasfb[i], sfasfb_r[i]) == _group_signature(size):
+        try:
+            if _generator_layouts(abc[i:i + 1], sfasfb[i:i + 1], sfasfb_r[i:i + 1], (size,)):
                 continue
         except (TypeError, ValueError, AttributeError):
             pass  # not tensors, or entries of another length: the checks below name it
         for part, arity, what in ((abc, 3, "(a, b, c)"), (sfasfb, 2, "(sfa, sfb)"),
                                   (sfasfb_r, 2, "(sfa_reordered, sfb_reordered)")):
             if not (isinstance(part[i], (tuple, list)) and len(part[i]) == arity):
-                return False, f"{_where(i, size)}: entry must be {what}"
+                return f"{_where(i, size)}: entry must be {what}"
         _, spec = _group_spec(size)
         tensors = (*abc[i], *sfasfb[i], *sfasfb_r[i])
         for name, t, (dtype, shape, strides) in zip(GROUP_TENSOR_NAMES, tensors, spec):
             # Exact strides first: the generator's; the general test only when they differ.
             if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == shape
                     and (strides is None or 0 in shape or t.stride() == strides or _strides_match(t, strides))):
-                return False, f"{_where(i, size)}: {_tensor_reason(name, t, dtype, shape, strides)}"
-    launched = [i for i, size in enumerate(sizes) if size[0] > 0]
-    if not launched:
-        return True, ""  # every group is empty: nothing is read, written or launched
-    first = launched[0]
-    device = abc[first][0].device
-    if device.type != KERNEL_DEVICE_TYPE:
-        return False, f"the tensors are on {device}: the kernel needs every tensor it reads on one CUDA device"
-    for i in launched:
-        (a, b, c), (sfa_r, sfb_r) = abc[i], sfasfb_r[i]
-        if (a.device == device and b.device == device and c.device == device and sfa_r.device == device
-                and sfb_r.device == device
-                and not (a.data_ptr() | b.data_ptr() | c.data_ptr() | sfa_r.data_ptr() | sfb_r.data_ptr())
-                % GMEM_ALIGN_BYTES):
+                return f"{_where(i, size)}: {_tensor_reason(name, t, dtype, shape, strides)}"
+    return ""
+
+
+def _placement_reason(tensors: tuple, sizes, first: int) -> str:
+    """Why the kernel cannot read the first tensor (of `kernel_tensors`, in group order) of a group with M > 0
+    that is not on group `first`'s device (the first with M > 0) or not aligned for TMA; called where one is."""
+    device = tensors[0][first].device
+    for i, size in enumerate(sizes):
+        if size[0] == 0:
             continue
-        for name, t in zip(KERNEL_TENSOR_NAMES, (a, b, c, sfa_r, sfb_r)):
+        for name, column in zip(KERNEL_TENSOR_NAMES, tensors):
+            t = column[i]
             if t.device != device:
-                return False, (f"{_where(i, sizes[i])}: {name} is on {t.device}, group {first}'s a is on {device}; "
-                               "the kernel needs every tensor it reads on one CUDA device")
+                return (f"{_where(i, size)}: {name} is on {t.device}, group {first}'s a is on {device}; "
+                        "the kernel needs every tensor it reads on one CUDA device")
             if t.data_ptr() % GMEM_ALIGN_BYTES:
-                return False, (f"{_where(i, sizes[i])}: {name} data is not {GMEM_ALIGN_BYTES}-byte aligned "
-                               "(TMA needs it)")
-    return True, ""
+                return f"{_where(i, size)}: {name} data is not {GMEM_ALIGN_BYTES}-byte aligned (TMA needs it)"
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------------------
-def _build_launch_metadata(data, device: torch.device, config, groups: tuple) -> LaunchMetadata:
+def _build_launch_metadata(data, device: torch.device, config, contents: tuple) -> LaunchMetadata:
     schedule = backend_of(config).schedule(config, data[3], device, _device_sm_count(device.index))
-    staging, table_buffer, ptr_table, size_table, work_list = pack_group_metadata(groups, device, schedule.work_words)
+    staging, table_buffer, ptr_table, size_table, work_list = pack_group_metadata(contents, device,
+                                                                                  schedule.work_words)
     workspace = aligned_device_buffer(schedule.workspace_bytes, TENSORMAP_BYTES, device)
     tables = (ptr_table.data_ptr(), size_table.data_ptr(), workspace.data_ptr())
     # The tables (and the work list) reach the device on the kernels' own queue, ahead of every kernel that
@@ -2685,11 +2746,12 @@ def kernel_config(data, device: torch.device):
     return config
 
 
-def launch_metadata(data, device: torch.device, config=None) -> LaunchMetadata:
-    """The launch metadata of `config` (default: kernel_config) for these pointers and sizes, built (and
-    its descriptors prepared, where the kernel prepares them up front) on a cache miss."""
+def launch_metadata(data, device: torch.device, config=None, pointers: Optional[tuple] = None) -> LaunchMetadata:
+    """The launch metadata of `config` (default: kernel_config) for these pointers (`kernel_pointers`, given
+    or read here) and sizes, built (and its descriptors prepared, where the kernel prepares them up front) on
+    a cache miss."""
     config = config or kernel_config(data, device)
-    key = (config, launch_metadata_key(data, config.tile_mn))
+    key = (config, launch_metadata_key(data, config.tile_mn, pointers))
 
     def build():
         metadata = _build_launch_metadata(data, device, config, key[1][2])
@@ -2770,8 +2832,8 @@ def _prepare_call(data) -> _PreparedCall:
     """The full path: constraint check, device check, compile (cached per group count), launch metadata
     (cached). Every group, empty ones included, reaches the tables; the kernels give an empty group no tile.
     With every group empty nothing is checked on the device, compiled or launched."""
-    ok, reason = can_implement(data)
-    if not ok:
+    reason, pointers = _check_input(data)
+    if reason:
         raise ValueError(reason)
     abc, _, sfr, sizes = data
     first = first_launched_group(sizes)
@@ -2782,7 +2844,7 @@ def _prepare_call(data) -> _PreparedCall:
         _check_device(device)
         config = kernel_config(data, device)
         kernel = compiled_gemm(len(sizes), _target_arch(device), config)
-        metadata = launch_metadata(data, device, config)
+        metadata = launch_metadata(data, device, config, pointers)
         launch = make_call_launcher(len(sizes), _target_arch(device), config, kernel, metadata)
     held = sum(m * (k // 2 + k // 16 + 2 * n) for m, n, k, _ in sizes)
     entry = _PreparedCall(lists=(abc, sfr, sizes), items=(tuple(abc), tuple(sfr), tuple(sizes)),

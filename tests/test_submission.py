@@ -433,7 +433,8 @@ def test_pinned_table_ring_keeps_pieces_whose_wait_failed(monkeypatch):
 
 
 def _groups(data) -> tuple:
-    """The launch-metadata key's rows (per group its pointers, then its sizes), which the tables are packed from."""
+    """The launch-metadata key's table contents (every group's pointers, then every group's sizes), which the
+    tables are packed from."""
     return submission.launch_metadata_key(data)[2]
 
 
@@ -518,7 +519,7 @@ def _stub_full_path(monkeypatch):
     (seen, launches): what the stubs were given, and one entry per launch."""
     seen, launches = {}, []
     monkeypatch.setattr(submission, "_prepared_calls", {})
-    monkeypatch.setattr(submission, "can_implement", lambda data: (True, ""))  # CPU tensors here
+    monkeypatch.setattr(submission, "_check_input", lambda data: ("", None))  # CPU tensors here
     monkeypatch.setattr(submission, "_check_device", lambda device: seen.setdefault("device", device))
     monkeypatch.setattr(submission, "_target_arch", lambda device: "sm_90a")
     monkeypatch.setattr(submission, "kernel_config",
@@ -526,7 +527,7 @@ def _stub_full_path(monkeypatch):
     monkeypatch.setattr(submission, "compiled_gemm",
                         lambda num_groups, arch, config: seen.setdefault("num_groups", num_groups) and "kernel")
 
-    def launch_metadata(data, device, config):
+    def launch_metadata(data, device, config, pointers):
         seen["metadata_data"] = data
         return type("Metadata", (), {"launch_args": (1, 2, 3, 4, 5)})()
 
