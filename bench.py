@@ -2,9 +2,9 @@
 
     python bench.py [FILE] [--repeats N] [--plot roofline.png] [--skip-slow] [--launch-paths P,Q] [--no-humming]
     python bench.py [FILE] --pdl-ab ROUNDS
-    python bench.py [FILE] --ab A B [--ab-rounds N] [--repeats N]
+    python bench.py [FILE] --ab A B [C ...] [--ab-rounds N] [--repeats N]
     python bench.py --moe [--moe-cases A,B] [--moe-calls N] [--moe-patterns N] [--moe-profile]
-    python bench.py --moe --ab A B [--ab-rounds N] [--moe-cases A,B] [--moe-calls N]
+    python bench.py --moe --ab A B [C ...] [--ab-rounds N] [--moe-cases A,B] [--moe-calls N]
 
 For every benchmark case of FILE (default task.yml) it times, each on the same 15 input sets:
   kernel         submission.custom_kernel(data)
@@ -22,9 +22,9 @@ call over repeats. It prints µs, × of each baseline against the kernel, and th
 then the host time of one custom_kernel call on its own (CPU wall time per call, launches only).
 With --launch-paths (names from submission.LAUNCH_PATHS) it also times the kernel and its host cost once per
 launch path, side by side, next to the host cost of one small torch kernel launch.
-With --ab it only times the kernel under two settings A and B, alternating (A B, B A, ...) in --ab-rounds
-rounds in one process on the same inputs, each setting's output checked first; it prints each setting's median
-µs over the rounds and their ratio B / A. A setting is comma-separated items: variant=NAME (a B200 or Hopper
+With --ab it only times the kernel under two or more settings A, B, ..., in turn (A B C, C B A, ...) in
+--ab-rounds rounds in one process on the same inputs, each setting's output checked first; it prints each
+setting's median µs over the rounds and its ratio to A's. A setting is comma-separated items: variant=NAME (a B200 or Hopper
 variant), lever=NAME (a Hopper lever under measurement, submission_sm90.SM90_LEVERS, on), sm90.FIELD=VALUE (a
 Sm90GemmConfig field over the chosen Hopper build's, an integer or on/off: submission_sm90.set_sm90_overrides),
 pdl=on|off, or default; what it leaves unnamed is the module's default. With --moe it does so on the MoE cases (bench_moe's timing and
@@ -387,6 +387,7 @@ class KernelSetting:
 
 
 SETTING_FORMS = "variant=NAME, lever=NAME, sm90.FIELD=VALUE, pdl=on|off, or default"
+AB_NAMES = "ABCDEFGH"  # what --ab calls its settings, in the order given
 
 
 def _override_value(kind: type, value: str):
@@ -440,23 +441,33 @@ def apply_setting(submission, sm90, setting: KernelSetting, default_pdl: bool) -
     submission.set_pdl(default_pdl if setting.pdl is None else setting.pdl)
 
 
+def ab_legend(settings: tuple) -> str:
+    """The settings of --ab by name: "A = default, B = lever=..."."""
+    return ", ".join(f"{name} = {setting.text}" for name, setting in zip(AB_NAMES, settings))
+
+
 def ab_summary(label: str, settings: tuple, times: tuple) -> str:
-    """One result line of --ab: each setting's median µs over the rounds, the ratio of the medians (B / A) and
-    the range of the per-round ratios."""
-    ratios = [b / a for a, b in zip(*times)]
-    a, b = (statistics.median(t) for t in times)
-    return (f"{harness.fit_label(label, 52):<52} A {a:9.2f}  B {b:9.2f}  B/A {b / a:.3f} "
-            f"(rounds {min(ratios):.3f} to {max(ratios):.3f})  [A: {settings[0].text}; B: {settings[1].text}]")
+    """One result line of --ab: A's median µs over the rounds, then each other setting's with the ratio of the
+    medians to A's and the range of the per-round ratios."""
+    base = statistics.median(times[0])
+    cells = [f"A {base:9.2f}"]
+    for name, other in zip(AB_NAMES[1:], times[1:]):
+        ratios = [b / a for a, b in zip(times[0], other)]
+        median = statistics.median(other)
+        cells.append(f"{name} {median:9.2f} ({name}/A {median / base:.3f}, rounds {min(ratios):.3f} to "
+                     f"{max(ratios):.3f})")
+    return f"{harness.fit_label(label, 52):<52} " + "  ".join(cells)
 
 
 def ab_rounds(settings: tuple, rounds: int, apply: Callable, check: Callable[[int], bool],
               time_once: Callable[[], float]) -> Optional[tuple]:
-    """Times both settings in `rounds` rounds, in the order A B, B A, A B, ... (so drift cancels): per round
-    `apply(i)` selects setting i, `check(i)` (first round only) returns False when its output is wrong,
-    `time_once()` gives µs. Returns (A's times, B's times), or None when a check failed."""
-    times = ([], [])
+    """Times every setting in `rounds` rounds, in the order A B C ..., then ... C B A, and so on (so drift
+    cancels): per round `apply(i)` selects setting i, `check(i)` (first round only) returns False when its
+    output is wrong, `time_once()` gives µs. Returns each setting's times, or None when a check failed."""
+    times = tuple([] for _ in settings)
+    order = list(range(len(settings)))
     for rnd in range(rounds):
-        for i in (0, 1) if rnd % 2 == 0 else (1, 0):
+        for i in order if rnd % 2 == 0 else order[::-1]:
             apply(i)
             if rnd == 0 and not check(i):
                 return None
@@ -465,10 +476,10 @@ def ab_rounds(settings: tuple, rounds: int, apply: Callable, check: Callable[[in
 
 
 def ab(submission, cases, settings: tuple, rounds: int, repeats: int) -> int:
-    """bench.py --ab on FILE's benchmarks: the kernel's µs per call under settings A and B (the timing above,
+    """bench.py --ab on FILE's benchmarks: the kernel's µs per call under settings A, B, ... (the timing above,
     `repeats` repeats per round), each setting's kernel checked on a copy of the first input first."""
     sm90, default_pdl = hopper_module(), submission.USE_PDL
-    print(f"--ab: A = {settings[0].text}, B = {settings[1].text}; {rounds} rounds alternating A B / B A, "
+    print(f"--ab: {ab_legend(settings)}; {rounds} rounds, the settings in turn, forwards then backwards, "
           f"{repeats} repeats each; µs per call (timing as above), the median over the rounds")
     status = 0
     for case in cases:
@@ -486,10 +497,10 @@ def ab(submission, cases, settings: tuple, rounds: int, repeats: int) -> int:
 
 def ab_moe(submission, case_names: Optional[str], settings: tuple, rounds: int, calls: int) -> int:
     """bench.py --moe --ab: the MoE cases' kernel µs (bench_moe's timing: the median of `calls` calls, each alone,
-    L2 flushed) under settings A and B; each setting's first call checked on NaN-poisoned outputs against the
+    L2 flushed) under settings A, B, ...; each setting's first call checked on NaN-poisoned outputs against the
     float64 decode."""
     sm90, default_pdl = hopper_module(), submission.USE_PDL
-    print(f"--moe --ab: A = {settings[0].text}, B = {settings[1].text}; {rounds} rounds alternating A B / B A, "
+    print(f"--moe --ab: {ab_legend(settings)}; {rounds} rounds, the settings in turn, forwards then backwards, "
           f"each the median µs of {calls} calls (each alone, L2 flushed); the median over the rounds")
     status = 0
     for case in bench_moe.select_cases(case_names):
@@ -525,6 +536,8 @@ NOT_WITH_AB = (("plot", "--plot"), ("skip_slow", "--skip-slow"), ("launch_paths"
 
 def ab_options_problem(args, defaults: dict) -> Optional[str]:
     """What is wrong with the --ab options (one line), or None."""
+    if args.ab is not None and not 2 <= len(args.ab) <= len(AB_NAMES):
+        return f"--ab takes 2 to {len(AB_NAMES)} settings, got {len(args.ab)}"
     if args.ab and args.pdl_ab:
         return "--ab and --pdl-ab: give one of them (--pdl-ab N is --ab pdl=on pdl=off --ab-rounds N)"
     if not (args.ab or args.pdl_ab):
@@ -597,9 +610,9 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-slow", action="store_true", help="leave out dequant+mm (slowest baseline)")
     parser.add_argument("--launch-paths", metavar="P,Q",
                         help=f"also time these launch paths, comma-separated: {', '.join(_launch_path_names())}")
-    parser.add_argument("--ab", nargs=2, metavar=("A", "B"),
-                        help=f"only time the kernel under two settings, alternating; a setting: {SETTING_FORMS} "
-                             "(comma-separated)")
+    parser.add_argument("--ab", nargs="+", metavar="SETTING",
+                        help=f"only time the kernel under two to {len(AB_NAMES)} settings A B ..., alternating; a "
+                             f"setting: {SETTING_FORMS} (comma-separated)")
     parser.add_argument("--ab-rounds", type=_positive_int, default=4, metavar="N",
                         help="rounds of --ab or --pdl-ab (4)")
     parser.add_argument("--pdl-ab", metavar="ROUNDS", type=_positive_int,

@@ -359,6 +359,17 @@ def test_ab_settings_name_the_wrong_item(text, piece):
     assert str(raised.value).startswith("--ab: ") and piece in str(raised.value), str(raised.value)
 
 
+def test_ab_rounds_of_three_settings_turn_forwards_then_backwards():
+    log = []
+    times = bench.ab_rounds(("A", "B", "C"), 2, lambda i: log.append(i), lambda i: True, lambda: float(len(log)))
+    assert log == [0, 1, 2, 2, 1, 0]
+    assert times == ([1.0, 6.0], [2.0, 5.0], [3.0, 4.0])
+    line = bench.ab_summary("case", tuple(bench.KernelSetting(t) for t in "ABC"), ([10.0, 10.0], [9.0, 11.0],
+                                                                                    [20.0, 20.0]))
+    assert line.endswith("A     10.00  B     10.00 (B/A 1.000, rounds 0.900 to 1.100)  C     20.00 (C/A 2.000, "
+                         "rounds 2.000 to 2.000)"), line
+
+
 def test_ab_rounds_alternate_and_check_each_setting_first():
     log = []
     times = bench.ab_rounds(("A", "B"), 3, lambda i: log.append(f"apply {i}"),
@@ -401,6 +412,6 @@ def test_ab_times_each_setting_as_selected_and_restores_the_defaults(monkeypatch
     assert checked == [("setting " + settings[0].text, a), ("setting " + settings[1].text, b)] * 2
     assert timed == [a, b, b, a] * 2
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 3 and lines[0].startswith("--ab: A = variant=sm90_a16_pairs,pdl=off, B = ")
-    assert " A     10.00  B      9.00  B/A 0.900 (rounds 0.900 to 0.900)" in lines[1]
+    assert len(lines) == 3 and lines[0].startswith("--ab: A = variant=sm90_a16_pairs,pdl=off, B = variant=")
+    assert lines[1].endswith(" A     10.00  B      9.00 (B/A 0.900, rounds 0.900 to 0.900)")
     assert state() == (submission.DEFAULT_KERNEL_VARIANT, sm90.DEFAULT_SM90_VARIANT, (), True)  # defaults again

@@ -322,6 +322,7 @@ def test_bench_help_shows_its_docstring(capsys):
     (["--pdl-ab", "x"], ["--pdl-ab", "'x'"]),
     (["--ab", "variant=bogus", "default"], ["--ab: 'variant=bogus' in setting 'variant=bogus'"]),
     (["--ab-rounds", "3"], ["--ab-rounds needs --ab"]),
+    (["--ab", "default"], ["--ab takes 2 to 8 settings, got 1"]),
     (["--ab", "default", "pdl=off", "--pdl-ab", "2"], ["--ab and --pdl-ab: give one of them"]),
     (["--ab", "default", "pdl=off", "--launch-paths", "dsl"], ["--launch-paths does not apply to --ab"]),
     (["--moe", "--ab", "default", "pdl=off", "--moe-patterns", "1"], ["--moe-patterns does not apply to --ab"]),
