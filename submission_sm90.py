@@ -148,9 +148,9 @@ class Sm90GemmConfig:
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
     tile_prefetch: a lever (`SM90_LEVERS`): the producer, on starting a part, prefetches the CTA's next part's
-      work-list entry into L1, and once the part's loads are issued, that part's size row and scale pointers:
-      the loads it waits for between one part's last TMA load and the next one's first (docs/HOPPER_NOTES.md
-      v33).
+      work-list entry into L1, and once the part's loads are issued, that part's size row and scale pointers
+      and (a new group) its A and B descriptors, acquired early and prefetched into the descriptor cache: what
+      it waits for between one part's last TMA load and the next one's first (docs/HOPPER_NOTES.md v33).
     b_scale_pairs: a lever (`SM90_LEVERS`): a consumer thread loads its two B scale bytes of a row and chunk as
       one 16-bit word and widens both with one conversion (`scale_pair_to_f16x2`), which its dequantization
       multiplies by as broadcast halves: no byte select and no 2^7 per scale; the epilogue multiplies by
@@ -1005,6 +1005,12 @@ def prefetch_global_l1(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def prefetch_tensormap(addr, *, loc=None, ip=None):
+    """A hint: the TMA descriptor at generic address `addr` into the descriptor cache."""
+    _asm(None, [_i64(addr, loc, ip)], "prefetch.tensormap [$0];", "l", True, loc, ip)
+
+
+@dsl_user_op
 def fence_global_for_async_proxy(*, loc=None, ip=None):
     """Orders this thread's generic-proxy global accesses with its later async-proxy (TMA) ones."""
     _asm(None, [], "fence.proxy.async.global;", "~{memory}", True, loc, ip)
@@ -1581,14 +1587,28 @@ class Sm90BlockScaledGroupedGemmKernel:
             prefetch_global_l1(self.part_entry(work, i + cutlass.Int32(i + 1 < end), grid))
 
     @cute.jit
-    def prefetch_next_group(self, ptrs: cute.Tensor, sizes: cute.Tensor, work: cute.Tensor, i, end, grid):
+    def prefetch_next_group(self, ptrs: cute.Tensor, sizes: cute.Tensor, work: cute.Tensor, descriptors, i, end,
+                            grid, last_g):
         """tile_prefetch (m_exact), the producer once part i's loads are issued: the next part's group's size
         row and scale pointers into L1, the next loads of its chain (`group_sizes`, then `produce_tile`'s
-        pointers) before its first TMA load. Its group comes from the entry `prefetch_next_part` brought in."""
+        pointers) before its first TMA load; where that group is not `last_g` (the one whose descriptors this
+        thread acquired last), its A and B descriptors acquired now and prefetched into the descriptor cache, so
+        that its first TMA load does not fetch them. Its group comes from the entry `prefetch_next_part` brought
+        in. Returns the group whose descriptors are acquired (NOTES: acquiring the next group's early is
+        sound: every row was written by the preparation kernel before this launch and is never rewritten, so
+        the loads in flight on part i's row are untouched)."""
         if cutlass.const_expr(self.m_exact and self.config.tile_prefetch):
             g = cutlass.Int32(ld_global_u32(self.part_entry(work, i + cutlass.Int32(i + 1 < end), grid), True))
             for table, column in ((sizes, int(SizeColumn.K)), (ptrs, int(PtrColumn.SFA)), (ptrs, int(PtrColumn.SFB))):
                 prefetch_global_l1(element_address(table, (g, column)))
+            g = cute.arch.make_warp_uniform(g)
+            if g != last_g:
+                slots = (Sm90TensorMapSlot.A, Sm90TensorMapSlot.B)
+                descriptors.acquire(g, slots)
+                for desc in descriptors.for_tma(g, slots):
+                    prefetch_tensormap(desc.toint())
+                last_g = g
+        return last_g
 
     @cute.jit
     def tile_at(self, i, work: cute.Tensor, scheduler, walk, bid, grid):
@@ -1652,7 +1672,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                 if width_idx == w:
                     self.produce_tile(self.widths[w], chunk, ptrs, descriptors, g, m0, n_tile, k_size, k0, chunks,
                                       stage_pipe, a16_pipes[w], atoms, gmem_parts, smem_parts, sf_atom, smem)
-            self.prefetch_next_group(ptrs, sizes, work, i, end, grid)
+            last_g = self.prefetch_next_group(ptrs, sizes, work, descriptors, i, end, grid, last_g)
             chunk = chunk + chunks
 
     @cute.jit

@@ -177,9 +177,10 @@ print("BUILD_OK")
 """
 
 # What each lever under measurement shows in the SASS of the GEMM (submission_sm90.SM90_LEVERS), given the SASS,
-# its counts and the build's widths: the producer's L1 prefetches; the 16-bit loads of scale pairs; the chunk
+# its counts and the build's widths: the producer's L1 and descriptor prefetches; the 16-bit loads of scale pairs
+# and their broadcast halves; the chunk
 # loop's body twice and once more for an odd count (8 wgmmas a chunk, per width).
-LEVER_SASS = {"tile_prefetch": lambda sass, counts, widths: "CCTL.E.PF1" in sass,
+LEVER_SASS = {"tile_prefetch": lambda sass, counts, widths: "CCTL.E.PF1" in sass and "UTMACCTL.PF" in sass,
               "b_scale_pairs": lambda sass, counts, widths: "LDS.U16" in sass and ".H1_H1" in sass,
               "chunk_pairs": lambda sass, counts, widths: counts["HGMMA"] == 3 * 8 * len(widths)}
 
