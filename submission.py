@@ -2654,20 +2654,20 @@ def _check_input(data) -> tuple:
         reason = _layout_reason(abc, sfasfb, sfasfb_r, sizes)
         if reason:
             return reason, None
-    launched = [size[0] > 0 for size in sizes]
-    if not any(launched):
+    first = first_launched_group(sizes)
+    if first is None:
         return "", None  # every group is empty: nothing is read, written or launched
-    first = launched.index(True)
     device = abc[first][0].device
     if device.type != KERNEL_DEVICE_TYPE:
         return f"the tensors are on {device}: the kernel needs every tensor it reads on one CUDA device", None
+    launched = [size[0] > 0 for size in sizes]
     tensors = kernel_tensors(abc, sfasfb_r)
     read = [t for column in tensors for t in compress(column, launched)]
     if [t.device for t in read].count(device) != len(read):
-        return _placement_reason(tensors, sizes, first), None
+        return _placement_reason(tensors, sizes, first, device), None
     pointers = kernel_pointers(tensors)  # of the empty groups too: the tables hold every group's
     if functools.reduce(or_, compress(pointers, launched * len(tensors)), 0) % GMEM_ALIGN_BYTES:
-        return _placement_reason(tensors, sizes, first), None
+        return _placement_reason(tensors, sizes, first, device), None
     return "", pointers
 
 
@@ -2696,10 +2696,10 @@ def _layout_reason(abc, sfasfb, sfasfb_r, sizes) -> str:
     return ""
 
 
-def _placement_reason(tensors: tuple, sizes, first: int) -> str:
+def _placement_reason(tensors: tuple, sizes, first: int, device: torch.device) -> str:
     """Why the kernel cannot read the first tensor (of `kernel_tensors`, in group order) of a group with M > 0
-    that is not on group `first`'s device (the first with M > 0) or not aligned for TMA; called where one is."""
-    device = tensors[0][first].device
+    that is not on `device`, group `first`'s (the first with M > 0), or not aligned for TMA; called where one
+    is."""
     for i, size in enumerate(sizes):
         if size[0] == 0:
             continue

@@ -1580,11 +1580,17 @@ class Sm90BlockScaledGroupedGemmKernel:
                 + row_bytes * cutlass.Int64(i))
 
     @cute.jit
+    def next_part_entry(self, work: cute.Tensor, i, end, grid):
+        """Address of the work-list words of the part after part i (part i's own when it is the CTA's last: a
+        select, not a branch)."""
+        return self.part_entry(work, i + cutlass.Int32(i + 1 < end), grid)
+
+    @cute.jit
     def prefetch_next_part(self, work: cute.Tensor, i, end, grid):
-        """tile_prefetch (m_exact): the work-list entry of the part after part i (part i's own when it is the
-        CTA's last: a select, not a branch) into L1, so that the next `tile_at` finds it there."""
+        """tile_prefetch (m_exact): the next part's work-list entry into L1, so that the next `tile_at` finds it
+        there."""
         if cutlass.const_expr(self.m_exact and self.config.tile_prefetch):
-            prefetch_global_l1(self.part_entry(work, i + cutlass.Int32(i + 1 < end), grid))
+            prefetch_global_l1(self.next_part_entry(work, i, end, grid))
 
     @cute.jit
     def prefetch_next_group(self, ptrs: cute.Tensor, sizes: cute.Tensor, work: cute.Tensor, descriptors, i, end,
@@ -1598,7 +1604,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         sound: every row was written by the preparation kernel before this launch and is never rewritten, so
         the loads in flight on part i's row are untouched)."""
         if cutlass.const_expr(self.m_exact and self.config.tile_prefetch):
-            g = cutlass.Int32(ld_global_u32(self.part_entry(work, i + cutlass.Int32(i + 1 < end), grid), True))
+            g = cutlass.Int32(ld_global_u32(self.next_part_entry(work, i, end, grid), True))
             for table, column in ((sizes, int(SizeColumn.K)), (ptrs, int(PtrColumn.SFA)), (ptrs, int(PtrColumn.SFB))):
                 prefetch_global_l1(element_address(table, (g, column)))
             g = cute.arch.make_warp_uniform(g)
@@ -1846,26 +1852,23 @@ class Sm90BlockScaledGroupedGemmKernel:
         acc.fill(0.0)
         pair = team[0] if cutlass.const_expr(self.pairs == 2) else 0  # the first of this warpgroup's chunks
         step = self.pairs
+        # consume_chunk's arguments after (ring count, first), the same for every chunk of the part (NOTES: a
+        # tuple, not a closure: the DSL refuses a nested function that captures values across its loops)
+        rest = (self.num_a16 + pair, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off, sfb_off, b_sel)
         if cutlass.const_expr(self.config.chunk_pairs):
             # NOTES: the odd chunk's `if` comes after the loop's last wgmma group, and the SASS keeps every
             # wait pipelined (tests/test_build.py counts the loop bodies and WARPGROUP.DEPBAR 1)
             mine = (num_chunks - pair + step - 1) // step  # this pair's chunks
             for j in range(mine // 2):
-                c = pair + 2 * step * j
-                self.consume_chunk(chunk + c, cutlass.Int32(j == 0), self.num_a16 + pair, frags, acc, tCrB,
-                                   tiled_mma, stage_pipe, a16_pipe, smem, b_off, sfb_off, b_sel)
-                self.consume_chunk(chunk + c + step, cutlass.Int32(0), self.num_a16 + pair, frags, acc, tCrB,
-                                   tiled_mma, stage_pipe, a16_pipe, smem, b_off, sfb_off, b_sel)
+                self.consume_chunk(chunk + pair + 2 * step * j, cutlass.Int32(j == 0), *rest)
+                self.consume_chunk(chunk + pair + 2 * step * j + step, cutlass.Int32(0), *rest)
             if mine % 2 == 1:
-                self.consume_chunk(chunk + pair + step * (mine - 1), cutlass.Int32(mine == 1), self.num_a16 + pair,
-                                   frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off, sfb_off, b_sel)
+                self.consume_chunk(chunk + pair + step * (mine - 1), cutlass.Int32(mine == 1), *rest)
         else:
             for c in range(pair, num_chunks, step):
                 # NOTES: branch-free on purpose: a dynamic `if` between wgmma groups makes ptxas wait for every
                 # wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the SASS): the MMAs serialize.
-                first = cutlass.Int32(c == pair)
-                self.consume_chunk(chunk + c, first, self.num_a16 + pair, frags, acc, tCrB, tiled_mma, stage_pipe,
-                                   a16_pipe, smem, b_off, sfb_off, b_sel)
+                self.consume_chunk(chunk + c, cutlass.Int32(c == pair), *rest)
         warpgroup.wait_group(0)
         if cutlass.const_expr(self.pairs == 1):
             a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
@@ -2062,15 +2065,14 @@ class Sm90Backend(KernelBackend):
     variant_configs = SM90_VARIANT_CONFIGS
 
     def config(self, sizes, num_sms: int) -> Sm90GemmConfig:
-        if SM90_VARIANT in SM90_VARIANT_CONFIGS:
-            return with_sm90_overrides(SM90_VARIANT_CONFIGS[SM90_VARIANT])
-        return with_sm90_overrides(self.weight_shape_choice(sizes, num_sms, choose_sm90_config))
+        forced = SM90_VARIANT_CONFIGS.get(SM90_VARIANT)
+        return with_sm90_overrides(forced or self.weight_shape_choice(sizes, num_sms, choose_sm90_config))
 
     def compile_config(self, variant: Optional[str]) -> Sm90GemmConfig:
         if variant is not None:
             _check_choice("Hopper variant", variant, tuple(SM90_VARIANT_CONFIGS))
-            return with_sm90_overrides(SM90_VARIANT_CONFIGS[variant])
-        return with_sm90_overrides(choose_sm90_config((), SM90_COMPILE_SMS))
+        return with_sm90_overrides(SM90_VARIANT_CONFIGS[variant] if variant is not None
+                                   else choose_sm90_config((), SM90_COMPILE_SMS))
 
     def key_config(self, config: Sm90GemmConfig) -> Sm90GemmConfig:
         return dataclasses.replace(config, split_k=True)  # the plan's choice: the same kernel runs both

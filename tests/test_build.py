@@ -149,13 +149,13 @@ print("BUILD_OK")
 """
 
 
-def _sm90_build_sass(tmp_path, part: str, name: str) -> str:
-    """The SASS of kernel `name`, built for sm_90a by `_SM90_BUILD_SCRIPT` (part) in a process of its own
-    (DSL 4.3.x without a driver stops after its first build)."""
+def _sm90_build_sass(tmp_path, name: str, script: str, *args: str, timeout: int = 900) -> str:
+    """The SASS of kernel `name`, built for sm_90a by `script` (`_SM90_BUILD_SCRIPT` or `_SM90_LEVER_SCRIPT`,
+    with `args`) in a process of its own (DSL 4.3.x without a driver stops after its first build)."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP_CUBIN="1",
                CUTE_DSL_KEEP="cubin", CUTE_DSL_DISABLE_FILE_CACHING="1")
-    proc = subprocess.run([sys.executable, "-c", _SM90_BUILD_SCRIPT, str(ROOT), part], env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", script, str(ROOT), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
     assert "BUILD_OK" in proc.stdout, proc.stderr[-3000:]
     cubins = sorted(tmp_path.rglob(f"*{name}*.cubin"))
     assert cubins, list(tmp_path.rglob("*"))
@@ -178,8 +178,8 @@ print("BUILD_OK")
 
 # What each lever under measurement shows in the SASS of the GEMM (submission_sm90.SM90_LEVERS), given the SASS,
 # its counts and the build's widths: the producer's L1 and descriptor prefetches; the 16-bit loads of scale pairs
-# and their broadcast halves; the chunk
-# loop's body twice and once more for an odd count (8 wgmmas a chunk, per width).
+# and their broadcast halves; the chunk loop's body twice and once more for an odd count (8 wgmmas a chunk, per
+# width).
 LEVER_SASS = {"tile_prefetch": lambda sass, counts, widths: "CCTL.E.PF1" in sass and "UTMACCTL.PF" in sass,
               "b_scale_pairs": lambda sass, counts, widths: "LDS.U16" in sass and ".H1_H1" in sass,
               "chunk_pairs": lambda sass, counts, widths: counts["HGMMA"] == 3 * 8 * len(widths)}
@@ -190,14 +190,8 @@ LEVER_SASS = {"tile_prefetch": lambda sass, counts, widths: "CCTL.E.PF1" in sass
 def test_sm90a_lever_builds(tmp_path, lever, variant):
     # a lever is off in every variant until a GPU measures it, so no other build test builds it: here, in the
     # widest build and the consumer-pairs one, with the GEMM's SASS as sane as every variant's
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP_CUBIN="1",
-               CUTE_DSL_KEEP="cubin", CUTE_DSL_DISABLE_FILE_CACHING="1")
-    proc = subprocess.run([sys.executable, "-c", _SM90_LEVER_SCRIPT, str(ROOT), lever, variant], env=env,
-                          capture_output=True, text=True, timeout=1800)
-    assert "BUILD_OK" in proc.stdout, proc.stderr[-3000:]
-    cubins = sorted(tmp_path.rglob("*Sm90BlockScaledGroupedGemmKernel*.cubin"))
-    assert cubins, list(tmp_path.rglob("*"))
-    sass = subprocess.run([ev.find_cuobjdump(), "-sass", str(cubins[-1])], capture_output=True, text=True).stdout
+    sass = _sm90_build_sass(tmp_path, "Sm90BlockScaledGroupedGemmKernel", _SM90_LEVER_SCRIPT, lever, variant,
+                            timeout=1800)
     counts = ev.count_sass(sass)
     assert LEVER_SASS[lever](sass, counts, submission_sm90.SM90_VARIANT_CONFIGS[variant].widths), counts
     assert counts["HGMMA"] > 0 and counts["WGDEP1"] > 0 and counts["PR2UR"] == 0, counts
@@ -209,7 +203,7 @@ def test_sm90a_lever_builds(tmp_path, lever, variant):
 @pytest.mark.parametrize("part, name, sass_ops", [("tensormaps", "GroupTensormapKernel", ()),
                                                   ("convert", "Sm90AConvertKernel", ("LDG", "STG.E.128"))])
 def test_sm90a_auxiliary_kernels_build(tmp_path, part, name, sass_ops):
-    sass = _sm90_build_sass(tmp_path, part, name)
+    sass = _sm90_build_sass(tmp_path, name, _SM90_BUILD_SCRIPT, part)
     assert "HGMMA" not in sass and "EXIT" in sass, sass[-2000:]
     for op in sass_ops:
         assert op in sass, (op, sass[-2000:])
