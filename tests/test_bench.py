@@ -330,7 +330,7 @@ def test_timing_loop_is_the_runners(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# --ab: two kernel settings, alternating
+# --ab: two or more kernel settings, in turn
 # ---------------------------------------------------------------------------------------------------------
 NAMES = (("persistent", "seed", "sm90_auto", "sm90_a16_pairs"), ("tile_prefetch",),
          {"tile_prefetch": bool, "num_stages": int})
