@@ -25,9 +25,8 @@ launch path, side by side, next to the host cost of one small torch kernel launc
 With --ab it only times the kernel under two or more settings A, B, ..., in turn (A B C, C B A, ...) in
 --ab-rounds rounds in one process on the same inputs, each setting's output checked first; it prints each
 setting's median µs over the rounds and its ratio to A's. A setting is comma-separated items: variant=NAME (a B200 or Hopper
-variant), lever=NAME (a Hopper lever under measurement, submission_sm90.SM90_LEVERS, on), sm90.FIELD=VALUE (a
-Sm90GemmConfig field over the chosen Hopper build's, an integer or on/off: submission_sm90.set_sm90_overrides),
-pdl=on|off, or default; what it leaves unnamed is the module's default. With --moe it does so on the MoE cases (bench_moe's timing and
+variant), sm90.FIELD=VALUE (a Sm90GemmConfig field over the chosen Hopper build's, an integer or on/off, such as a
+lever under measurement: submission_sm90.set_sm90_overrides), pdl=on|off, or default; what it leaves unnamed is the module's default. With --moe it does so on the MoE cases (bench_moe's timing and
 check). --pdl-ab ROUNDS is --ab pdl=on pdl=off --ab-rounds ROUNDS.
 With --moe it runs bench_moe.py's cases instead: routed-expert GEMMs of DeepSeek-V3 and Qwen3-30B-A3B layers
 (128-256 experts, top-8 routing with skewed popularity, some experts empty, full-range values), the kernel
@@ -377,7 +376,7 @@ def wrong(custom_kernel, case, inputs, what: str) -> bool:
 @dataclasses.dataclass(frozen=True)
 class KernelSetting:
     """What `--ab` switches between: a kernel variant (B200 or Hopper; None: the defaults), Hopper config fields
-    over the chosen build's (`submission_sm90.set_sm90_overrides`: the levers under measurement, or any other
+    over the chosen build's (`submission_sm90.set_sm90_overrides`: a lever under measurement, or any other
     field) and programmatic dependent launch (None: the module's default)."""
 
     text: str
@@ -386,7 +385,7 @@ class KernelSetting:
     pdl: Optional[bool] = None
 
 
-SETTING_FORMS = "variant=NAME, lever=NAME, sm90.FIELD=VALUE, pdl=on|off, or default"
+SETTING_FORMS = "variant=NAME, sm90.FIELD=VALUE, pdl=on|off, or default"
 AB_NAMES = "ABCDEFGH"  # what --ab calls its settings, in the order given
 
 
@@ -397,9 +396,9 @@ def _override_value(kind: type, value: str):
     return int(value) if kind is int and value.isdigit() else None
 
 
-def parse_setting(text: str, variants: tuple, levers: tuple, field_types: dict) -> KernelSetting:
-    """A `--ab` setting: comma-separated items of SETTING_FORMS (`lever=NAME` is `sm90.NAME=on`, for a name of
-    `levers`; FIELD a key of `field_types`), each kind once; ValueError naming the item that is wrong."""
+def parse_setting(text: str, variants: tuple, field_types: dict) -> KernelSetting:
+    """A `--ab` setting: comma-separated items of SETTING_FORMS (FIELD a key of `field_types`), each kind once;
+    ValueError naming the item that is wrong."""
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
         raise ValueError(f"--ab: empty setting {text!r}; give {SETTING_FORMS}")
@@ -414,13 +413,12 @@ def parse_setting(text: str, variants: tuple, levers: tuple, field_types: dict) 
         elif key == "pdl":
             ok, expected = value in ("on", "off") and pdl is None, "on or off, once"
             pdl = value == "on"
-        elif key == "lever" or key.startswith("sm90."):
-            field = value if key == "lever" else key[len("sm90."):]
+        elif key.startswith("sm90."):
+            field = key[len("sm90."):]
             kind = field_types.get(field)
-            setting = (value in levers or None) if key == "lever" else kind and _override_value(kind, value)
+            setting = kind and _override_value(kind, value)
             ok = setting is not None and field not in overrides
-            expected = (f"one of {', '.join(levers)}" if key == "lever" else
-                        f"a field of {', '.join(field_types)}" if kind is None else
+            expected = (f"a field of {', '.join(field_types)}" if kind is None else
                         "on or off" if kind is bool else "a non-negative integer") + ", once"
             overrides[field] = setting
         else:
@@ -442,7 +440,7 @@ def apply_setting(submission, sm90, setting: KernelSetting, default_pdl: bool) -
 
 
 def ab_legend(settings: tuple) -> str:
-    """The settings of --ab by name: "A = default, B = lever=..."."""
+    """The settings of --ab by name: "A = default, B = sm90.num_stages=8"."""
     return ", ".join(f"{name} = {setting.text}" for name, setting in zip(AB_NAMES, settings))
 
 
@@ -549,7 +547,7 @@ def ab_options_problem(args, defaults: dict) -> Optional[str]:
 
 
 def hopper_module():
-    """submission_sm90, the Hopper kernel's module (its variants, levers and setters)."""
+    """submission_sm90, the Hopper kernel's module (its variants and setters)."""
     import submission_sm90
 
     return submission_sm90
@@ -666,7 +664,7 @@ def main(argv=None) -> int:
     texts = args.ab or (("pdl=on", "pdl=off") if args.pdl_ab else ())
     try:
         sm90 = hopper_module()
-        settings = tuple(parse_setting(text, (*submission.KERNEL_VARIANTS, *sm90.SM90_VARIANTS), sm90.SM90_LEVERS,
+        settings = tuple(parse_setting(text, (*submission.KERNEL_VARIANTS, *sm90.SM90_VARIANTS),
                                        sm90.sm90_override_types()) for text in texts)
     except ValueError as err:
         return harness.usage_error("bench.py", str(err))

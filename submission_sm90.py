@@ -2,8 +2,8 @@
 
 Hopper has no fp4 tensor cores, so both operands are dequantized exactly to fp16 (every e2m1 x e4m3 product
 is exact in fp16) and multiplied by fp16 wgmma with fp32 accumulation (`Sm90BlockScaledGroupedGemmKernel`).
-By default (`sm90_auto`: `sm90_a16_mexact`, or `sm90_a16_mexact128` where its plan is predicted no longer) one
-persistent launch per call: first every thread of every CTA writes its share of all groups' A as fp16 into
+By default (`sm90_auto`: `sm90_a16_mexact`, or `sm90_a16_mexact128` or `sm90_a16_narrow` where its plan is
+predicted shorter, `choose_sm90_config`) one persistent launch per call: first every thread of every CTA writes its share of all groups' A as fp16 into
 the launch's workspace and a grid-wide barrier orders that before any fp16 A load (`Sm90GemmConfig.a16_fused`);
 then the CTAs walk a host-planned work list (`plan_sm90_work`: each group's M split into tiles 64-192 rows
 wide, dealt longest first to the least-loaded CTA; where whole tiles are at most one per SM, tiles' K may be
@@ -15,7 +15,7 @@ other parts' fp32 partials in the workspace: `Sm90BlockScaledGroupedGemmKernel.s
 copies are the DSL's pipeline classes and TMA atoms, as on Blackwell; inline PTX is left for the operand
 conversions and hand-addressed shared memory. `sm90_tile128` uses 128-row tiles on the round-robin
 `GroupTileScheduler` and converts A in a transform warpgroup of every CTA. `sm90_a16_narrow` is the M-exact
-kernel built for tiles 16-64 rows wide, for MoE experts with a few tokens each; `sm90_a16_pairs` is that
+kernel built for tiles 16-128 rows wide, for MoE experts with tens of tokens each; `sm90_a16_pairs` is that
 kernel at widths 16-32 with two pairs of consumer warpgroups sharing each tile's chunks, which `sm90_auto`
 takes where the non-empty groups average at most `SM90_NARROW_MEAN_ROWS` rows.
 
@@ -31,7 +31,7 @@ How to use it (besides submission.custom_kernel):
                              planned per problem; the others force one variant; NVFP4_SM90_VARIANT=name at
                              import)
     set_sm90_overrides(**fields)   Sm90GemmConfig fields over every build's, for side-by-side runs (`bench.py
-                             --ab`), such as the levers under measurement (SM90_LEVERS, off in every variant)
+                             --ab`): a lever under measurement is a field that no variant sets yet
     plan_sm90_work(sizes, num_sms, ...)   the M-exact kernel's host plan, no GPU needed
 docs/HOPPER_NOTES.md has the design and the measured log.
 """
@@ -71,8 +71,8 @@ _OperandMajorMode = getattr(cute.nvgpu, "OperandMajorMode", None) or warpgroup.O
 # takes the widths between its min_width and max_width; each is its own compiled mainloop, chosen per tile at
 # run time. 192 is the widest whose three fp16 A buffers (48 KB each) fit in shared memory beside the B
 # stages and the epilogue slabs. A kernel built for widths up to 128 fits four 32 KB buffers instead: a
-# deeper A prefetch. The narrow builds (16-64, and 16-32 with consumer pairs) are for experts with few tokens
-# (`SM90_NARROW_MEAN_ROWS`).
+# deeper A prefetch. The narrow builds (16-128, and 16-32 with consumer pairs) are for experts with few tokens
+# (`SM90_NARROW_MEAN_ROWS`, `choose_sm90_config`).
 # NOTES: at most five widths per build: with a sixth mainloop (32 beside 64-192) ptxas serialized every wgmma
 # of the kernel ("insufficient register resources", C7512; tests/test_build.py checks the SASS for it). No
 # width 8: DSL 4.3.5 rejects the register-sourced 64x8x16 wgmma of this kernel at IR verification ("'cute.gemm'
@@ -90,7 +90,7 @@ def sm90_widths(max_width: int, min_width: int = SM90_DEFAULT_WIDTHS[0]) -> tupl
 
 
 # `sm90_auto` takes the consumer-pairs build (widths 16-32) where the non-empty groups average at most this many
-# rows. NOTES: it measured 6-8 % faster than the narrow build (widths 16-64, one consumer pair) on the three
+# rows. NOTES: it measured 6-8 % faster than the narrow build (then widths 16-64, one consumer pair) on the three
 # DeepSeek-V3 decode cases (H100, DSL 4.5.2, docs/HOPPER_NOTES.md v29), and 4-6 % slower on Qwen3's 32 rows per
 # expert, where the wide builds run. Measured on the H200 (DSL 4.3.5, v23), the narrow build against the wide builds
 # on the five MoE decode cases of bench.py --moe: 17-19 % faster on the three DeepSeek-V3 ones (8.4 and 3.2 rows per
@@ -147,17 +147,6 @@ class Sm90GemmConfig:
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
-    tile_prefetch: a lever (`SM90_LEVERS`): the producer, on starting a part, prefetches the CTA's next part's
-      work-list entry into L1, and once the part's loads are issued, that part's size row and scale pointers
-      and (a new group) its A and B descriptors, acquired early and prefetched into the descriptor cache: what
-      it waits for between one part's last TMA load and the next one's first (docs/HOPPER_NOTES.md v33).
-    b_scale_pairs: a lever (`SM90_LEVERS`): a consumer thread loads its two B scale bytes of a row and chunk as
-      one 16-bit word and widens both with one conversion (`scale_pair_to_f16x2`), which its dequantization
-      multiplies by as broadcast halves: no byte select and no 2^7 per scale; the epilogue multiplies by
-      2^21 instead of 2^14 (`epilogue_exponent`), so every output is the same (docs/HOPPER_NOTES.md v34).
-    chunk_pairs: a lever (`SM90_LEVERS`): the consumers' chunk loop takes two chunks per iteration (the second
-      never a part's first, so its spare-buffer select folds away), an odd last one after it: the loop's
-      counter, test and branch and the ring's bookkeeping once per two chunks (docs/HOPPER_NOTES.md v35).
     """
 
     num_stages: int = 0
@@ -170,9 +159,6 @@ class Sm90GemmConfig:
     split_k: bool = True
     consumer_pairs: int = 1
     a16_buffers: int = 0
-    tile_prefetch: bool = False
-    b_scale_pairs: bool = False
-    chunk_pairs: bool = False
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
@@ -206,7 +192,9 @@ SM90_VARIANT_CONFIGS = {
     "sm90_tile128": Sm90GemmConfig(),
     "sm90_a16_mexact": Sm90GemmConfig(a16_prepass=True, m_exact=True),
     "sm90_a16_mexact128": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=128),
-    "sm90_a16_narrow": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=64, min_width=16),
+    # widths 16-128: on the Qwen3 decode cases 4.5 % / 7.8 % faster than the wide builds, where 16-64 was 2 %
+    # slower / 2 % faster (H100, docs/HOPPER_NOTES.md v36)
+    "sm90_a16_narrow": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=128, min_width=16),
     # sm90_auto's build for experts with a few rows each: twice the consumer warps per SM; 8 stages and 8 fp16
     # A buffers, so that each pair has as many of its chunks in flight as the narrow build's consumers have with
     # 4 (with 4 A buffers it measured 8-10 % slower than narrow on the DeepSeek-V3 decode cases, with 8 6-8 %
@@ -224,6 +212,11 @@ def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
       `sm90_a16_pairs` (tiles 16-32 rows wide, two consumer pairs), measured 6-8 % faster than
       `sm90_a16_narrow` (16-64, docs/HOPPER_NOTES.md v29), which was 17-19 % faster than the wide builds on
       the DeepSeek-V3 decode cases (v23).
+    - Else the build for widths 16-128 (`sm90_a16_narrow`) where its plan's predicted makespan is shorter
+      than both wide builds': tiles of 16 and 32 rows for experts with tens of tokens. Qwen3-30B-A3B decode
+      (32 rows per expert on average): predicted 25 % / 18 % shorter, measured 4.5 % / 7.8 % faster on the
+      H100 (docs/HOPPER_NOTES.md v36). Where its plan only ties (bench0, bench3: no tile under 64 rows) the
+      wide builds keep the shape.
     - Else the build for widths up to 128 (`sm90_a16_mexact128`, one fp16 A buffer more: a deeper A prefetch
       the plan's model does not see) wherever its plan's predicted makespan is no longer than the widest
       build's; else `sm90_a16_mexact`. Measured on the H200 (docs/HOPPER_NOTES.md v17, v22): equal plans
@@ -239,11 +232,15 @@ def _choose_sm90_config(sizes: tuple, num_sms: int) -> Sm90GemmConfig:
     """`choose_sm90_config` once per problem shape (comparing two plans is O(tiles))."""
     if sizes and sum(size[0] for size in sizes) <= SM90_NARROW_MEAN_ROWS * len(sizes):
         return SM90_VARIANT_CONFIGS["sm90_a16_pairs"]
-    wide, mid = SM90_VARIANT_CONFIGS["sm90_a16_mexact"], SM90_VARIANT_CONFIGS["sm90_a16_mexact128"]
-    if sizes and (plan_sm90_work(sizes, num_sms, mid.widths, mid.split_k).makespan
-                  <= plan_sm90_work(sizes, num_sms, wide.widths, wide.split_k).makespan):
-        return mid
-    return wide
+    if not sizes:
+        return SM90_VARIANT_CONFIGS["sm90_a16_mexact"]
+    wide, mid, narrow = (SM90_VARIANT_CONFIGS[name] for name in ("sm90_a16_mexact", "sm90_a16_mexact128",
+                                                                 "sm90_a16_narrow"))
+    wide_ms, mid_ms, narrow_ms = (plan_sm90_work(sizes, num_sms, config.widths, config.split_k).makespan
+                                  for config in (wide, mid, narrow))
+    if narrow_ms < min(wide_ms, mid_ms):
+        return narrow
+    return mid if mid_ms <= wide_ms else wide
 
 
 @dataclasses.dataclass(frozen=True)
@@ -677,9 +674,8 @@ def set_sm90_variant(name: str) -> None:
 
 
 # Side-by-side runs on a GPU (`bench.py --ab`): Sm90GemmConfig fields that every Hopper build custom_kernel and
-# compile_for take, over their variant's own. SM90_LEVERS are the switches kept for such runs: off in every
-# variant until one decides (docs/HOPPER_NOTES.md gives each one's prediction).
-SM90_LEVERS = ("tile_prefetch", "b_scale_pairs", "chunk_pairs")
+# compile_for take, over their variant's own. A lever under measurement is such a field, off in every variant
+# until a run decides (docs/HOPPER_NOTES.md gives each one's prediction first).
 SM90_OVERRIDES: dict = {}
 
 
@@ -691,7 +687,7 @@ def sm90_override_types() -> dict:
 
 def set_sm90_overrides(**fields) -> None:
     """Exactly these Sm90GemmConfig fields (none: the variants' own) over every Hopper build from now on, e.g.
-    `set_sm90_overrides(tile_prefetch=True)` or `(num_stages=8)`; each setting is its own compiled kernel (the
+    `set_sm90_overrides(max_width=128)` or `(num_stages=8)`; each setting is its own compiled kernel (the
     fields are in the compile key). An unknown field or a value of another type raises here; a combination a
     build cannot take raises Sm90GemmConfig's ValueError when that build is chosen."""
     global SM90_OVERRIDES
@@ -892,7 +888,7 @@ def ld_shared_u16(addr, *, loc=None, ip=None):
 def scale_pair_to_f16x2(scale_pair, *, loc=None, ip=None):
     """The two e4m3 bytes in the low 16 bits of `scale_pair` as fp16x2 {s0, s1} (byte 0 the low half), by the
     hardware e4m3x2 -> f16x2 conversion alone: exact for every code, e4m3 NaN gives fp16 NaN
-    (Sm90GemmConfig.b_scale_pairs: `fp4x8_to_f16x2x4` takes each scale as a broadcast half)."""
+    (the consumers' B scales: `fp4x8_to_f16x2x4` takes each as a broadcast half)."""
     r = _asm(T.i32(), [_u32(scale_pair, loc, ip)],
              "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $1;\ncvt.rn.f16x2.e4m3x2 $0, lo;\n}", "=r,r", False, loc, ip)
     return cutlass.Uint32(r)
@@ -1279,9 +1275,9 @@ class Sm90BlockScaledGroupedGemmKernel:
         # chunk loop; docs/HOPPER_NOTES.md, open items)
         self.consumer_regs = 112 if self.pairs == 2 else (232 if self.prepass else 208)
         # The accumulator holds the products' sum times 2^-exponent: each operand's e2m1 code is its value
-        # times 2^-14 (`fp4x8_to_f16x2x4`), times its scale times 2^7 (`scale_to_f16x2`): 2^-7 each, or (B
-        # with b_scale_pairs) times the scale alone: 2^-14 for B.
-        self.epilogue_exponent = 21 if config.b_scale_pairs else 14
+        # times 2^-14 (`fp4x8_to_f16x2x4`), times its scale: A's times 2^7 (`scale_to_f16x2`), 2^-7 in all;
+        # B's alone (`scale_pair_to_f16x2`), 2^-14 (docs/HOPPER_NOTES.md v34).
+        self.epilogue_exponent = 21
 
     @cute.jit
     def group_sizes(self, sizes: cute.Tensor, group: cutlass.Int32):
@@ -1587,23 +1583,24 @@ class Sm90BlockScaledGroupedGemmKernel:
 
     @cute.jit
     def prefetch_next_part(self, work: cute.Tensor, i, end, grid):
-        """tile_prefetch (m_exact): the next part's work-list entry into L1, so that the next `tile_at` finds it
-        there."""
-        if cutlass.const_expr(self.m_exact and self.config.tile_prefetch):
+        """m_exact: the next part's work-list entry into L1, so that the next `tile_at` finds it there
+        (docs/HOPPER_NOTES.md v33)."""
+        if cutlass.const_expr(self.m_exact):
             prefetch_global_l1(self.next_part_entry(work, i, end, grid))
 
     @cute.jit
     def prefetch_next_group(self, ptrs: cute.Tensor, sizes: cute.Tensor, work: cute.Tensor, descriptors, i, end,
                             grid, last_g):
-        """tile_prefetch (m_exact), the producer once part i's loads are issued: the next part's group's size
+        """m_exact, the producer once part i's loads are issued: the next part's group's size
         row and scale pointers into L1, the next loads of its chain (`group_sizes`, then `produce_tile`'s
         pointers) before its first TMA load; where that group is not `last_g` (the one whose descriptors this
         thread acquired last), its A and B descriptors acquired now and prefetched into the descriptor cache, so
         that its first TMA load does not fetch them. Its group comes from the entry `prefetch_next_part` brought
-        in. Returns the group whose descriptors are acquired (NOTES: acquiring the next group's early is
-        sound: every row was written by the preparation kernel before this launch and is never rewritten, so
-        the loads in flight on part i's row are untouched)."""
-        if cutlass.const_expr(self.m_exact and self.config.tile_prefetch):
+        in. What the producer would wait for between one part's last TMA load and the next one's first
+        (docs/HOPPER_NOTES.md v33). Returns the group whose descriptors are acquired (NOTES: acquiring the next
+        group's early is sound: every row was written by the preparation kernel before this launch and is never
+        rewritten, so the loads in flight on part i's row are untouched)."""
+        if cutlass.const_expr(self.m_exact):
             g = cutlass.Int32(ld_global_u32(self.next_part_entry(work, i, end, grid), True))
             for table, column in ((sizes, int(SizeColumn.K)), (ptrs, int(PtrColumn.SFA)), (ptrs, int(PtrColumn.SFB))):
                 prefetch_global_l1(element_address(table, (g, column)))
@@ -1807,9 +1804,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         b_row = 64 * wg + 16 * w + lane // 4
         b_off = b_row * 64 + 16 * (q ^ ((b_row >> 1) & 3))
         sfb_off = (b_row // 128) * self.SF_BYTES + (q // 2) * 512 + (b_row % 32) * 16 + ((b_row // 32) % 4) * 4
-        b_sel = cutlass.Uint32(2 * (q % 2) * 0x11)  # `scale_to_f16x2`'s selector of this thread's first scale byte
-        if cutlass.const_expr(self.config.b_scale_pairs):
-            sfb_off = sfb_off + 2 * (q % 2)  # this thread's two scale bytes (k blocks 2 q, 2 q + 1) as one word
+        sfb_off = sfb_off + 2 * (q % 2)  # this thread's two scale bytes (k blocks 2 q, 2 q + 1), one 16-bit word
         chunk = cutlass.Int32(0)
         last_g = cutlass.Int32(-1)
         scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
@@ -1827,7 +1822,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                     self.consume_tile(self.widths[wi], tiled_mmas[wi], sA16[wi], frags, chunk, chunks, is_split, i, grid,
                                       work, descriptors, descriptors.for_tma(g, (Sm90TensorMapSlot.C,))[0], m0,
                                       n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
-                                      epilogue_barrier, smem, b_off, sfb_off, b_sel,
+                                      epilogue_barrier, smem, b_off, sfb_off,
                                       (pair, cutlass.Int32(i > begin), cutlass.Int32(i + 1 < end)))
             chunk = chunk + chunks
         if w == 0:
@@ -1836,7 +1831,7 @@ class Sm90BlockScaledGroupedGemmKernel:
     @cute.jit
     def consume_tile(self, width: int, tiled_mma, sA16, frags, chunk, num_chunks, is_split, i, grid, work, descriptors,
                      desc_c, m0, n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
-                     epilogue_barrier, smem, b_off, sfb_off, b_sel, team):
+                     epilogue_barrier, smem, b_off, sfb_off, team):
         """One part of a tile of `width` rows of A: its K loop into the accumulator (64 n x width m); a part of
         a split tile then meets the others' (`split_fixup`); the epilogue, where the tile is complete (fp16
         slabs of at most 128 m x 64 n, TMA-stored as box_rows-row boxes of C^T).
@@ -1854,21 +1849,19 @@ class Sm90BlockScaledGroupedGemmKernel:
         step = self.pairs
         # consume_chunk's arguments after (ring count, first), the same for every chunk of the part (NOTES: a
         # tuple, not a closure: the DSL refuses a nested function that captures values across its loops)
-        rest = (self.num_a16 + pair, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off, sfb_off, b_sel)
-        if cutlass.const_expr(self.config.chunk_pairs):
-            # NOTES: the odd chunk's `if` comes after the loop's last wgmma group, and the SASS keeps every
-            # wait pipelined (tests/test_build.py counts the loop bodies and WARPGROUP.DEPBAR 1)
-            mine = (num_chunks - pair + step - 1) // step  # this pair's chunks
-            for j in range(mine // 2):
-                self.consume_chunk(chunk + pair + 2 * step * j, cutlass.Int32(j == 0), *rest)
-                self.consume_chunk(chunk + pair + 2 * step * j + step, cutlass.Int32(0), *rest)
-            if mine % 2 == 1:
-                self.consume_chunk(chunk + pair + step * (mine - 1), cutlass.Int32(mine == 1), *rest)
-        else:
-            for c in range(pair, num_chunks, step):
-                # NOTES: branch-free on purpose: a dynamic `if` between wgmma groups makes ptxas wait for every
-                # wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the SASS): the MMAs serialize.
-                self.consume_chunk(chunk + c, cutlass.Int32(c == pair), *rest)
+        rest = (self.num_a16 + pair, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off, sfb_off)
+        # Two chunks per iteration (the second never the part's first, so its spare-buffer select folds away),
+        # an odd last one after the loop: the counter, test and branch and the ring's bookkeeping once per two
+        # chunks (docs/HOPPER_NOTES.md v35). NOTES: branch-free within the loop on purpose: a dynamic `if`
+        # between wgmma groups makes ptxas wait for every wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the
+        # SASS): the MMAs serialize. The odd chunk's `if` comes after the loop's last wgmma group, and the SASS
+        # keeps every wait pipelined (tests/test_build.py counts the loop bodies and WARPGROUP.DEPBAR 1).
+        mine = (num_chunks - pair + step - 1) // step  # this pair's chunks
+        for j in range(mine // 2):
+            self.consume_chunk(chunk + pair + 2 * step * j, cutlass.Int32(j == 0), *rest)
+            self.consume_chunk(chunk + pair + 2 * step * j + step, cutlass.Int32(0), *rest)
+        if mine % 2 == 1:
+            self.consume_chunk(chunk + pair + step * (mine - 1), cutlass.Int32(mine == 1), *rest)
         warpgroup.wait_group(0)
         if cutlass.const_expr(self.pairs == 1):
             a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
@@ -1995,7 +1988,7 @@ class Sm90BlockScaledGroupedGemmKernel:
 
     @cute.jit
     def consume_chunk(self, chunk, first, spare, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off,
-                      sfb_off, b_sel):
+                      sfb_off):
         state = ring_state(chunk, self.num_stages)
         a16_state = ring_state(chunk, self.num_a16)
         stage_pipe.consumer_wait(state)
@@ -2004,15 +1997,11 @@ class Sm90BlockScaledGroupedGemmKernel:
 
         # -- this thread's B rows (r, r + 8) and their scale words; then release the stage
         b_words = [ld_shared_v4(stage_b + b_off + 512 * half) for half in range(2)]
-        if cutlass.const_expr(self.config.b_scale_pairs):
-            # per row one register of both scales, b_sc[r][e] its half e (`fp4x8_to_f16x2x4`'s `half`)
-            b_pairs = [scale_pair_to_f16x2(ld_shared_u16(sf_b + sfb_off + 128 * half)) for half in range(2)]
-            release_read_stage(stage_pipe, state)
-            b_sc = [[(b_pairs[r], e) for e in range(2)] for r in range(2)]
-        else:
-            b_sf = [ld_shared_u32(sf_b + sfb_off + 128 * half) for half in range(2)]
-            release_read_stage(stage_pipe, state)
-            b_sc = [[(scale_to_f16x2(b_sf[r], b_sel + e * 0x11), None) for e in range(2)] for r in range(2)]
+        # per row one register of both scales (one 16-bit load, one conversion: no byte select, no 2^7 per
+        # scale), b_sc[r][e] its half e, which `fp4x8_to_f16x2x4` broadcasts (docs/HOPPER_NOTES.md v34)
+        b_pairs = [scale_pair_to_f16x2(ld_shared_u16(sf_b + sfb_off + 128 * half)) for half in range(2)]
+        release_read_stage(stage_pipe, state)
+        b_sc = [[(b_pairs[r], e) for e in range(2)] for r in range(2)]
         a16_pipe.consumer_wait(a16_state)
         # The previous chunk's fp16 A buffer, released at t == 1 below once its wgmmas have retired. A tile's
         # first chunk releases its pair's spare barrier after the ring instead (`spare`: index num_a16 + pair):

@@ -1,8 +1,7 @@
 """The workload of tests/test_gpu_sanitizer.py, run under compute-sanitizer in its own process.
 
 `python tests/sanitize_case.py VARIANT [VARIANT ...]`: for each Hopper variant ("two_launch": sm90_a16_mexact
-with `Sm90GemmConfig.a16_fused=False`; NAME+levers: NAME with every lever under measurement on,
-`submission_sm90.SM90_LEVERS`), three multi-group inputs (the case that first showed a racecheck
+with `Sm90GemmConfig.a16_fused=False`), three multi-group inputs (the case that first showed a racecheck
 hazard, one whose rings wrap many times with group changes in every CTA, and a MoE-like one of 256 groups,
 most of them empty), outputs poisoned with NaN, checked against the reference after the run. Exits 1 on a
 wrong result.
@@ -35,13 +34,11 @@ CASES = (
 def main(variants) -> int:
     bad = 0
     for variant in variants:
-        name, _, levers = variant.partition("+")
-        if name == "two_launch":  # sm90_a16_mexact with the A conversion as a launch of its own
+        if variant == "two_launch":  # sm90_a16_mexact with the A conversion as a launch of its own
             submission_sm90.SM90_VARIANT_CONFIGS["two_launch"] = dataclasses.replace(
                 submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], a16_fused=False)
             submission_sm90.SM90_VARIANTS = (*submission_sm90.SM90_VARIANTS, "two_launch")
-        submission_sm90.set_sm90_variant(name)
-        submission_sm90.set_sm90_overrides(**dict.fromkeys(submission_sm90.SM90_LEVERS if levers else (), True))
+        submission_sm90.set_sm90_variant(variant)
         for case in CASES:
             data = reference.generate_input(**case)
             abc, sfs, sfs_r, sizes = data

@@ -332,26 +332,25 @@ def test_timing_loop_is_the_runners(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------
 # --ab: two or more kernel settings, in turn
 # ---------------------------------------------------------------------------------------------------------
-NAMES = (("persistent", "seed", "sm90_auto", "sm90_a16_pairs"), ("tile_prefetch",),
-         {"tile_prefetch": bool, "num_stages": int})
+NAMES = (("persistent", "seed", "sm90_auto", "sm90_a16_pairs"), {"split_k": bool, "num_stages": int})
 
 
 def test_ab_settings_parse_every_form():
     assert bench.parse_setting("default", *NAMES) == bench.KernelSetting("default")
-    text = "variant=sm90_a16_pairs, lever=tile_prefetch,sm90.num_stages=12, pdl=off"
+    text = "variant=sm90_a16_pairs, sm90.split_k=on,sm90.num_stages=12, pdl=off"
     assert bench.parse_setting(text, *NAMES) == bench.KernelSetting(
-        text, "sm90_a16_pairs", (("tile_prefetch", True), ("num_stages", 12)), False)
-    assert bench.parse_setting("variant=seed,pdl=on,sm90.tile_prefetch=off", *NAMES) == bench.KernelSetting(
-        "variant=seed,pdl=on,sm90.tile_prefetch=off", "seed", (("tile_prefetch", False),), True)
+        text, "sm90_a16_pairs", (("split_k", True), ("num_stages", 12)), False)
+    assert bench.parse_setting("variant=seed,pdl=on,sm90.split_k=off", *NAMES) == bench.KernelSetting(
+        "variant=seed,pdl=on,sm90.split_k=off", "seed", (("split_k", False),), True)
 
 
 @pytest.mark.parametrize("text,piece", [
     (" , ", "empty setting"), ("variant=bogus", "'variant=bogus' in setting 'variant=bogus': expected one of persistent"),
-    ("lever=x", "expected one of tile_prefetch, once"), ("pdl=1", "expected on or off, once"),
-    ("variant=seed,variant=persistent", "'variant=persistent'"), ("lever=tile_prefetch,sm90.tile_prefetch=on", "once"),
-    ("sm90.bogus=1", "expected a field of tile_prefetch, num_stages, once"),
-    ("sm90.num_stages=x", "expected a non-negative integer"), ("sm90.tile_prefetch=1", "expected on or off"),
-    ("speed=2", "expected variant=NAME, lever=NAME, sm90.FIELD=VALUE, pdl=on|off, or default"),
+    ("lever=x", "expected variant=NAME"), ("pdl=1", "expected on or off, once"),
+    ("variant=seed,variant=persistent", "'variant=persistent'"), ("sm90.split_k=off,sm90.split_k=on", "once"),
+    ("sm90.bogus=1", "expected a field of split_k, num_stages, once"),
+    ("sm90.num_stages=x", "expected a non-negative integer"), ("sm90.split_k=1", "expected on or off"),
+    ("speed=2", "expected variant=NAME, sm90.FIELD=VALUE, pdl=on|off, or default"),
 ])
 def test_ab_settings_name_the_wrong_item(text, piece):
     with pytest.raises(ValueError) as raised:
@@ -400,15 +399,15 @@ def test_ab_times_each_setting_as_selected_and_restores_the_defaults(monkeypatch
     checked, timed = [], []
     monkeypatch.setattr(bench, "case_inputs", lambda case: ["input"])
     monkeypatch.setattr(bench, "wrong", lambda fn, case, inputs, what: checked.append((what, state())) and False)
-    # B (the lever on) takes 0.9 of A's time
+    # B (8 stages) takes 0.9 of A's time
     monkeypatch.setattr(bench, "_time_per_call", lambda fn, inputs, repeats: timed.append(state()) or (
-        9.0 if sm90.SM90_OVERRIDES.get("tile_prefetch") else 10.0))
+        9.0 if sm90.SM90_OVERRIDES.get("num_stages") == 8 else 10.0))
     settings = (bench.parse_setting("variant=sm90_a16_pairs,pdl=off", *NAMES),
-                bench.parse_setting("variant=sm90_a16_pairs,pdl=off,lever=tile_prefetch", *NAMES))
+                bench.parse_setting("variant=sm90_a16_pairs,pdl=off,sm90.num_stages=8", *NAMES))
     cases = harness.load_cases(str(ROOT / "task.yml"), "benchmarks")[:2]
     assert bench.ab(submission, cases, settings, 2, 3) == 0
     a = (submission.DEFAULT_KERNEL_VARIANT, "sm90_a16_pairs", (), False)
-    b = (submission.DEFAULT_KERNEL_VARIANT, "sm90_a16_pairs", (("tile_prefetch", True),), False)
+    b = (submission.DEFAULT_KERNEL_VARIANT, "sm90_a16_pairs", (("num_stages", 8),), False)
     assert checked == [("setting " + settings[0].text, a), ("setting " + settings[1].text, b)] * 2
     assert timed == [a, b, b, a] * 2
     lines = capsys.readouterr().out.strip().splitlines()

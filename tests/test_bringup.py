@@ -239,9 +239,7 @@ def test_sm90_overrides_reach_every_hopper_build_and_key(monkeypatch):
     device = torch.device("cuda", 0)
     data = (None, None, None, [(128, 4096, 1536, 1)])
     off = submission.kernel_config(data, device)
-    for variant in submission_sm90.SM90_VARIANT_CONFIGS.values():  # every variant leaves the levers off
-        assert not any(getattr(variant, lever) for lever in submission_sm90.SM90_LEVERS)
-    for fields in [{lever: True} for lever in submission_sm90.SM90_LEVERS] + [dict(num_stages=8, tile_prefetch=True)]:
+    for fields in [dict(num_stages=8), dict(a16_buffers=2), dict(num_stages=8, a16_buffers=2)]:
         submission_sm90.set_sm90_overrides(**fields)
         on = submission.kernel_config(data, device)
         assert on == dataclasses.replace(off, **fields)
@@ -264,13 +262,13 @@ def test_set_sm90_overrides_rejects_bad_fields_and_forgets_the_prepared_calls(mo
         submission_sm90.set_sm90_overrides(bogus=True)
     with pytest.raises(ValueError, match="'use_pdl' is not a field it sets"):  # set_pdl's
         submission_sm90.set_sm90_overrides(use_pdl=False)
-    with pytest.raises(TypeError, match="tile_prefetch takes a bool, not 1"):
-        submission_sm90.set_sm90_overrides(tile_prefetch=1)
+    with pytest.raises(TypeError, match="split_k takes a bool, not 1"):
+        submission_sm90.set_sm90_overrides(split_k=1)
     with pytest.raises(TypeError, match="num_stages takes a int, not True"):
         submission_sm90.set_sm90_overrides(num_stages=True)
     assert submission_sm90.SM90_OVERRIDES == {} and submission._prepared_calls  # nothing changed
-    submission_sm90.set_sm90_overrides(tile_prefetch=True)
-    assert submission_sm90.SM90_OVERRIDES == {"tile_prefetch": True}
+    submission_sm90.set_sm90_overrides(split_k=False)
+    assert submission_sm90.SM90_OVERRIDES == {"split_k": False}
     assert submission._prepared_calls == {}  # a prepared call holds the launch of the previous setting
 
 

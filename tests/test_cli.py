@@ -433,12 +433,18 @@ def fake_builds(monkeypatch):
     return builds
 
 
+def _kernel_shape(config) -> tuple:
+    """What tells two of the tested builds apart: the tile, and a Hopper M-exact build's widths."""
+    return tuple(config.tile_mn), getattr(config, "widths", None)
+
+
 def _runtime_tile(monkeypatch, arch: str, num_sms: int, sizes) -> tuple:
-    """The tile custom_kernel itself would run (submission.kernel_config) on a GPU of `arch` with num_sms SMs."""
+    """The tile (`_kernel_shape`) custom_kernel itself would run (submission.kernel_config) on a GPU of `arch`
+    with num_sms SMs."""
     with monkeypatch.context() as patch:
         patch.setattr(submission, "_target_arch", lambda device: arch)
         patch.setattr(submission, "_device_sm_count", lambda index: num_sms)
-        return tuple(submission.kernel_config((None, None, None, sizes), torch.device("cuda", 0)).tile_mn)
+        return _kernel_shape(submission.kernel_config((None, None, None, sizes), torch.device("cuda", 0)))
 
 
 @pytest.mark.parametrize("arch,num_sms", [("sm_100a", 148), ("sm_90a", 132)])
@@ -471,7 +477,7 @@ def test_compile_builds_each_kernel_the_cases_run_once(tmp_path, capsys, monkeyp
     assert all(build_arch == arch for _, build_arch, _ in fake_builds.calls)
     assert len(built) == len(set(built)) == len(set(expected))  # each distinct kernel once
     configs = submission_sm90.SM90_VARIANT_CONFIGS if arch == "sm_90a" else submission.VARIANT_CONFIGS
-    assert {(g, tuple(configs[variant].tile_mn)) for g, variant in built} == set(expected)
+    assert {(g, _kernel_shape(configs[variant])) for g, variant in built} == set(expected)
 
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("kernel") and "status" in line)
@@ -479,17 +485,17 @@ def test_compile_builds_each_kernel_the_cases_run_once(tmp_path, capsys, monkeyp
     assert all(" OK " in row for row in kernel_rows) and lines[head + 1 + len(built)] == ""
     case_rows = lines[head + 1 + len(built) + 2:]  # after the blank line and the "kernel case" heading
     assert len(case_rows) == len(cases)
-    for case, (g, tile), row in zip(cases, expected, case_rows):
+    for case, (g, (tile, widths)), row in zip(cases, expected, case_rows):
         a = case.args
         full_label = f"g={g} m={list(a['m'])} n={list(a['n'])} k={list(a['k'])}"
         assert row.endswith(full_label), row  # never cut mid-number
         # the tile's rows of A: fixed on sm_100a; on sm_90a (sm90_auto takes M-exact tiles for every problem) the
-        # range of widths up to tile[0]
-        rows = f"{submission_sm90.SM90_DEFAULT_WIDTHS[0]}-{tile[0]}" if arch == "sm_90a" else tile[0]
+        # build's range of widths
+        rows = f"{widths[0]}-{widths[-1]}" if arch == "sm_90a" else tile[0]
         assert f" {rows}x{tile[1]} g={g} " in row, row
 
     entries = json.loads(report.read_text())
-    assert [(e["groups"], tuple(e["tile_mn"])) for e in entries] == expected
+    assert [(e["groups"], tuple(e["tile_mn"])) for e in entries] == [(g, tile) for g, (tile, _) in expected]
 
     # Regression: the default `persistent` variant's 128x64 builds were labelled `persistent_n64` (and
     # sm90_auto's by the forced variant compile_for builds them as). Every row is the default's; the JSON

@@ -31,11 +31,9 @@ pytestmark = [pytest.mark.gpu,
 # "auto": the tile custom_kernel picks by itself; the others force one entry of SM90_VARIANT_CONFIGS (the
 # sm90_a16_* ones convert A to fp16 once per call, as the GEMM launch's first phase); "two_launch":
 # sm90_a16_mexact with that conversion as a launch of its own (Sm90GemmConfig.a16_fused=False); "whole_tiles":
-# sm90_a16_mexact planned without split-K (Sm90GemmConfig.split_k=False: no tile's K split across CTAs);
-# "levers", "pairs_levers": "auto" and sm90_a16_pairs with every lever under measurement on
-# (submission_sm90.SM90_LEVERS).
+# sm90_a16_mexact planned without split-K (Sm90GemmConfig.split_k=False: no tile's K split across CTAs).
 CONFIGS = ["auto", "sm90_tile128", "sm90_a16_mexact", "sm90_a16_mexact128", "sm90_a16_narrow", "sm90_a16_pairs",
-           "two_launch", "whole_tiles", "levers", "pairs_levers"]
+           "two_launch", "whole_tiles"]
 
 
 def _task_cases(section):
@@ -56,10 +54,11 @@ EDGE_CASES = {
     "widths": dict(m=[1, 32, 33, 64, 97, 128, 150, 192, 193, 400, 1000], n=[4096, 256, 512, 128, 3072, 256, 1024,
                                                                          128, 2048, 512, 1024],
                    k=[256, 512, 256, 768, 256, 512, 256, 256, 512, 256, 256], g=11, seed=13),
-    # sm90_a16_narrow: M next to every narrow width (16, 32, 64) and above the widest, so tiles of every width
-    # run back to back on a CTA and the last split of a group is partly past its M
-    "narrow_widths": dict(m=[1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 130], n=[128 * (1 + i % 5) for i in range(14)],
-                          k=[256 * (1 + i % 3) for i in range(14)], g=14, seed=16),
+    # sm90_a16_narrow: M next to every narrow width (16, 32, 64, 96, 128) and above the widest, so tiles of
+    # every width run back to back on a CTA and the last split of a group is partly past its M
+    "narrow_widths": dict(m=[1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 95, 96, 97, 127, 128, 129, 130, 300],
+                          n=[128 * (1 + i % 5) for i in range(21)], k=[256 * (1 + i % 3) for i in range(21)], g=21,
+                          seed=16),
     # empty groups (M = 0) first, last and between, beside every width: they stay in the tables, no tile
     "empty_groups": dict(m=[0, 40, 0, 200, 1, 0], n=[256, 512, 128, 256, 384, 128], k=[512, 256, 768, 512, 256, 256],
                          g=6, seed=15),
@@ -82,12 +81,10 @@ def sm90(request, monkeypatch):
         field = {"two_launch": "a16_fused", "whole_tiles": "split_k"}[config]
         forced = dataclasses.replace(submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], **{field: False})
         monkeypatch.setattr(submission_sm90, "choose_sm90_config", lambda sizes, num_sms: forced)
-    elif config not in ("auto", "levers"):
-        forced = submission_sm90.SM90_VARIANT_CONFIGS[config.replace("pairs_levers", "sm90_a16_pairs")]
+    elif config != "auto":
+        forced = submission_sm90.SM90_VARIANT_CONFIGS[config]
         monkeypatch.setattr(submission_sm90, "choose_sm90_config", lambda sizes, num_sms: forced)
-    # every lever on, or (the other configs) none, whatever an earlier test left
-    monkeypatch.setattr(submission_sm90, "SM90_OVERRIDES",
-                        dict.fromkeys(submission_sm90.SM90_LEVERS, True) if "levers" in config else {})
+    monkeypatch.setattr(submission_sm90, "SM90_OVERRIDES", {})  # whatever an earlier test left
     return submission
 
 

@@ -41,8 +41,7 @@ def _variants():
         return []
     import submission_sm90
 
-    # the levers under measurement on the widest build and the consumer-pairs one
-    return [*submission_sm90.SM90_VARIANT_CONFIGS, "two_launch", "sm90_a16_mexact+levers", "sm90_a16_pairs+levers"]
+    return [*submission_sm90.SM90_VARIANT_CONFIGS, "two_launch"]
 
 
 # One tool on one variant per test, so that a run can spread them over processes (`pytest -n`, or shards).
