@@ -24,9 +24,10 @@ With --launch-paths (names from submission.LAUNCH_PATHS) it also times the kerne
 launch path, side by side, next to the host cost of one small torch kernel launch.
 With --ab it only times the kernel under two or more settings A, B, ..., in turn (A B C, C B A, ...) in
 --ab-rounds rounds in one process on the same inputs, each setting's output checked first; it prints each
-setting's median µs over the rounds and its ratio to A's. A setting is comma-separated items: variant=NAME (a B200 or Hopper
-variant), sm90.FIELD=VALUE (a Sm90GemmConfig field over the chosen Hopper build's, an integer or on/off, such as a
-lever under measurement: submission_sm90.set_sm90_overrides), pdl=on|off, or default; what it leaves unnamed is the module's default. With --moe it does so on the MoE cases (bench_moe's timing and
+setting's median µs over the rounds and its ratio to A's. A setting is comma-separated items: variant=NAME (a
+B200 or Hopper variant), sm90.FIELD=VALUE (a Sm90GemmConfig field over the chosen Hopper build's, an integer
+or on/off, such as a lever under measurement: submission_sm90.set_sm90_overrides), pdl=on|off, or default;
+what it leaves unnamed is the module's default. With --moe it does so on the MoE cases (bench_moe's timing and
 check). --pdl-ab ROUNDS is --ab pdl=on pdl=off --ab-rounds ROUNDS.
 With --moe it runs bench_moe.py's cases instead: routed-expert GEMMs of DeepSeek-V3 and Qwen3-30B-A3B layers
 (128-256 experts, top-8 routing with skewed popularity, some experts empty, full-range values), the kernel

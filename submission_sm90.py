@@ -3,15 +3,16 @@
 Hopper has no fp4 tensor cores, so both operands are dequantized exactly to fp16 (every e2m1 x e4m3 product
 is exact in fp16) and multiplied by fp16 wgmma with fp32 accumulation (`Sm90BlockScaledGroupedGemmKernel`).
 By default (`sm90_auto`: `sm90_a16_mexact`, or `sm90_a16_mexact128` or `sm90_a16_narrow` where its plan is
-predicted shorter, `choose_sm90_config`) one persistent launch per call: first every thread of every CTA writes its share of all groups' A as fp16 into
-the launch's workspace and a grid-wide barrier orders that before any fp16 A load (`Sm90GemmConfig.a16_fused`);
-then the CTAs walk a host-planned work list (`plan_sm90_work`: each group's M split into tiles 64-192 rows
-wide, dealt longest first to the least-loaded CTA; where whole tiles are at most one per SM, tiles' K may be
-split across CTAs instead, `Sm90GemmConfig.split_k`; where they are many per SM, as in a MoE layer whose every
-step is a new shape, a vectorised plan, `_sm90_bulk_plan`; the words go up with the tables): a producer warp TMA-loads fp16 A, the packed fp4 B and
-its blocked scales, two consumer warpgroups dequantize B in registers as the wgmma A operand, run the
-mainloop compiled for the tile's width, and store C^T tiles by TMA (a part of a split tile first meets the
-other parts' fp32 partials in the workspace: `Sm90BlockScaledGroupedGemmKernel.split_fixup`). Barriers and
+predicted shorter, `choose_sm90_config`) one persistent launch per call: first every thread of every CTA
+writes its share of all groups' A as fp16 into the launch's workspace and a grid-wide barrier orders that
+before any fp16 A load (`Sm90GemmConfig.a16_fused`); then the CTAs walk a host-planned work list
+(`plan_sm90_work`: each group's M split into tiles 64-192 rows wide, dealt longest first to the least-loaded
+CTA; where whole tiles are at most one per SM, tiles' K may be split across CTAs instead,
+`Sm90GemmConfig.split_k`; where they are many per SM, as in a MoE layer whose every step is a new shape, a
+vectorised plan, `_sm90_bulk_plan`; the words go up with the tables): a producer warp TMA-loads fp16 A, the
+packed fp4 B and its blocked scales, two consumer warpgroups dequantize B in registers as the wgmma A operand,
+run the mainloop compiled for the tile's width, and store C^T tiles by TMA (a part of a split tile first meets
+the other parts' fp32 partials in the workspace: `Sm90BlockScaledGroupedGemmKernel.split_fixup`). Barriers and
 copies are the DSL's pipeline classes and TMA atoms, as on Blackwell; inline PTX is left for the operand
 conversions and hand-addressed shared memory. `sm90_tile128` uses 128-row tiles on the round-robin
 `GroupTileScheduler` and converts A in a transform warpgroup of every CTA. `sm90_a16_narrow` is the M-exact

@@ -893,7 +893,7 @@ def test_the_tile_table_says_its_stage_counts_are_derived():
 def test_compile_builds_the_case_kernel_and_the_extra_group_count(tmp_path, monkeypatch):
     cases = tmp_path / "cases.txt"
     cases.write_text("m: [128]; n: [256]; k: [768]; g: 1; seed: 7\n")
-    tile = _runtime_tile(monkeypatch, "sm_100a", 148, [(128, 256, 768, 1)])
+    tile, _ = _runtime_tile(monkeypatch, "sm_100a", 148, [(128, 256, 768, 1)])
     report = tmp_path / "report.json"
     proc = run("eval.py", "compile", cases, "--groups", "2", "--json", report)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
