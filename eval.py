@@ -134,6 +134,10 @@ SASS_MEANING = {
     "STL": "local-memory stores (register spills)",
     "PREEXIT": "griddepcontrol.launch_dependents (programmatic dependent launch)",
     "ACQBULK": "griddepcontrol.wait (programmatic dependent launch)",
+    "PFL1": "L1 prefetches of global memory (`CCTL.E.PF1`: the Hopper producer's next work-list entry)",
+    "TMAPF": "TMA descriptor prefetches (`UTMACCTL.PF`: the Hopper producer's next group's descriptors)",
+    "LDS16": "16-bit shared-memory loads (`LDS.U16`: a Hopper consumer's two B scales of a row)",
+    "HBCAST1": "HMUL2 with a broadcast high half (`.H1_H1`: the second of those scales)",
 }
 SASS_OPS = tuple(SASS_MEANING)
 # The columns of each arch's table: its own instructions only.
@@ -441,13 +445,27 @@ print("BUILD_RESULT " + json.dumps(result, default=str))
 """
 
 
+# An instruction's start in cuobjdump's SASS (its address), and its optional predicate.
+_SASS_AT = r"/\*[0-9a-f]{4,}\*/\s+"
+_SASS_PREDICATE = r"(?:@!?U?P[T0-9]+\s+)?"
+# The counts of SASS_MEANING that are not an opcode's: an opcode with its modifiers or operands.
+SASS_PATTERNS = {
+    "WGDEP1": r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b",
+    "PR2UR": _SASS_AT + r"@!?P[0-6]\s+R2UR\s",
+    "PFL1": _SASS_AT + _SASS_PREDICATE + r"CCTL\.E\.PF1\s",
+    "TMAPF": _SASS_AT + _SASS_PREDICATE + r"UTMACCTL\.PF\s",
+    "LDS16": _SASS_AT + _SASS_PREDICATE + r"LDS\.U16\s",
+    "HBCAST1": _SASS_AT + _SASS_PREDICATE + r"HMUL2\s[^;\n]*\.H1_H1\b",
+}
+
+
 def count_sass(sass: str) -> dict[str, int]:
     counts = dict.fromkeys(SASS_OPS, 0)
-    for match in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", sass):
+    for match in re.finditer(_SASS_AT + _SASS_PREDICATE + r"([A-Z][A-Z0-9_]*)", sass):
         if match[1] in counts:
             counts[match[1]] += 1
-    counts["WGDEP1"] = len(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b", sass))
-    counts["PR2UR"] = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+@!?P[0-6]\s+R2UR\s", sass))
+    for op, pattern in SASS_PATTERNS.items():
+        counts[op] = len(re.findall(pattern, sass))
     return counts
 
 

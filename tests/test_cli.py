@@ -599,6 +599,23 @@ def test_sass_counts_see_a_lane_predicated_r2ur_and_nothing_else():
     assert (counts["PR2UR"], counts["WGDEP1"], counts["HGMMA"]) == (2, 1, 1)
 
 
+def test_sass_counts_see_the_hopper_prefetches_and_scale_pairs():
+    # cuobjdump lines of the sm_90a GEMM: the producer's prefetches, a consumer's 16-bit scale loads and the
+    # HMUL2s that take their high half (a .reuse flag between register and half), beside lookalikes that
+    # do not count: a plain CCTL, a 32-bit LDS, a low half
+    lines = ["        /*0ab0*/                   CCTL.E.PF1 [R4] ;",
+             "        /*0ac0*/              @P0 CCTL.E.PF1 [R4+0x8] ;",
+             "        /*0ad0*/                   CCTL.IVALL ;",
+             "        /*0ae0*/                   UTMACCTL.PF [UR8] ;",
+             "        /*0af0*/                   LDS.U16 R72, [R21] ;",
+             "        /*0b00*/                   LDS R73, [R21+0x80] ;",
+             "        /*0b10*/                   HMUL2 R198, R13, R8.H1_H1 ;",
+             "        /*0b20*/                   HMUL2 R194, R9, R8.reuse.H1_H1 ;",
+             "        /*0b30*/                   HMUL2 R196, R9, R8.H0_H0 ;"]
+    counts = ev.count_sass("\n".join(lines))
+    assert (counts["PFL1"], counts["TMAPF"], counts["LDS16"], counts["HBCAST1"]) == (2, 1, 1, 2)
+
+
 # (what a build reports, the static, dynamic and total cells): the kernel's SharedStorage as built comes
 # first, then the DSL's launch record (4.3.x), then the kernel's own plan, marked where it is a lower bound
 SMEM_REPORTS = [
