@@ -230,7 +230,7 @@ def choose_sm90_config(problem_sizes, num_sms: int) -> Sm90GemmConfig:
 
 @functools.lru_cache(maxsize=256)
 def _choose_sm90_config(sizes: tuple, num_sms: int) -> Sm90GemmConfig:
-    """`choose_sm90_config` once per problem shape (comparing two plans is O(tiles))."""
+    """`choose_sm90_config` once per problem shape (comparing three plans is O(tiles) each)."""
     if sizes and sum(size[0] for size in sizes) <= SM90_NARROW_MEAN_ROWS * len(sizes):
         return SM90_VARIANT_CONFIGS["sm90_a16_pairs"]
     if not sizes:
@@ -846,10 +846,10 @@ def ld_shared_v4_f32(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def stmatrix_f16_scaled(addr, values, exponent: int = 14, *, loc=None, ip=None):
+def stmatrix_f16_scaled(addr, values, exponent: int, *, loc=None, ip=None):
     """`stmatrix .trans` of four 8 x 8 fp16 matrices: matrix i's fragment register is
     fp16x2(values[2 i] * 2^exponent, values[2 i + 1] * 2^exponent), the low half first (the power of two undoes
-    the operand encodings', `Sm90BlockScaledGroupedGemmKernel.epilogue_exponent`; exact). Lanes 8 i to 8 i + 7
+    the operand encodings', `Sm90BlockScaledGroupedGemmKernel.EPILOGUE_EXPONENT`; exact). Lanes 8 i to 8 i + 7
     give the addresses of matrix i's 16-byte rows; a row holds one fragment column (.trans)."""
     assert len(values) == 8
     regs = "h0, h1, h2, h3"
@@ -1224,6 +1224,10 @@ class Sm90BlockScaledGroupedGemmKernel:
     SF_BYTES = 1024  # one 128-row scale slice for 128 k
     C_BYTES = 128 * 64 * 2  # one epilogue slab per consumer warpgroup: 128 m x 64 n fp16
     SMEM_SLACK = 4096  # of DYNAMIC_SMEM_BUDGET: barriers and the alignment of the shared-memory regions
+    # The accumulator holds the products' sum times 2^-EPILOGUE_EXPONENT: each operand's e2m1 code is its value
+    # times 2^-14 (`fp4x8_to_f16x2x4`), times its scale: A's times 2^7 (`scale_to_f16x2`), 2^-7 in all; B's
+    # alone (`scale_pair_to_f16x2`), 2^-14 (docs/HOPPER_NOTES.md v34).
+    EPILOGUE_EXPONENT = 21
     descriptor_slots = tuple(Sm90TensorMapSlot)
 
     def __init__(self, num_groups: int, config: "Sm90GemmConfig"):
@@ -1275,10 +1279,6 @@ class Sm90BlockScaledGroupedGemmKernel:
         # for the consumers (widths up to 32 keep their wgmmas pipelined there, one word spilled outside the
         # chunk loop; docs/HOPPER_NOTES.md, open items)
         self.consumer_regs = 112 if self.pairs == 2 else (232 if self.prepass else 208)
-        # The accumulator holds the products' sum times 2^-exponent: each operand's e2m1 code is its value
-        # times 2^-14 (`fp4x8_to_f16x2x4`), times its scale: A's times 2^7 (`scale_to_f16x2`), 2^-7 in all;
-        # B's alone (`scale_pair_to_f16x2`), 2^-14 (docs/HOPPER_NOTES.md v34).
-        self.epilogue_exponent = 21
 
     @cute.jit
     def group_sizes(self, sizes: cute.Tensor, group: cutlass.Int32):
@@ -1804,8 +1804,9 @@ class Sm90BlockScaledGroupedGemmKernel:
         q = lane % 4
         b_row = 64 * wg + 16 * w + lane // 4
         b_off = b_row * 64 + 16 * (q ^ ((b_row >> 1) & 3))
-        sfb_off = (b_row // 128) * self.SF_BYTES + (q // 2) * 512 + (b_row % 32) * 16 + ((b_row // 32) % 4) * 4
-        sfb_off = sfb_off + 2 * (q % 2)  # this thread's two scale bytes (k blocks 2 q, 2 q + 1), one 16-bit word
+        # SFB: this thread's two scale bytes of row b_row (k blocks 2 q, 2 q + 1), one 16-bit word
+        sfb_off = ((b_row // 128) * self.SF_BYTES + (q // 2) * 512 + (b_row % 32) * 16 + ((b_row // 32) % 4) * 4
+                   + 2 * (q % 2))
         chunk = cutlass.Int32(0)
         last_g = cutlass.Int32(-1)
         scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
@@ -1978,7 +1979,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             # of 16 (SM90_WIDTHS)
             for j in cutlass.range_constexpr(rows // 16):
                 addr = c_slab + (16 * j + 8 * (lane // 16) + row) * 128 + ((2 * w + (lane // 8) % 2) ^ row) * 16
-                stmatrix_f16_scaled(addr, [acc[64 * p + 8 * j + e] for e in range(8)], self.epilogue_exponent)
+                stmatrix_f16_scaled(addr, [acc[64 * p + 8 * j + e] for e in range(8)], self.EPILOGUE_EXPONENT)
             fence_smem_for_async_proxy()
             cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
             if w == 0:

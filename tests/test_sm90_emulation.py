@@ -209,7 +209,7 @@ def check_chunk(seed=0):
         return E2M1[codes] * np.repeat(s, 16, axis=1)
 
     want = deq(a_bytes, sfa) @ deq(b_bytes, sfb).T
-    got = (alog @ blog.T) * 2.0 ** 21  # the kernel's epilogue_exponent
+    got = (alog @ blog.T) * 2.0 ** 21  # the kernel's EPILOGUE_EXPONENT
     err = np.abs(got - want).max()
     assert err == 0.0, err
     print(f"chunk emulation (seed {seed}): exact, max |value| {np.abs(want).max():.1f}")
