@@ -157,14 +157,8 @@ print("BUILD_OK")
 # it): its build on the decode build it is measured on, with the SASS checks every Hopper build has.
 @pytest.mark.parametrize("variant, lever", [("sm90_a16_narrow", "part_lookahead")])
 def test_sm90a_lever_builds(tmp_path, variant, lever):
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP_CUBIN="1",
-               CUTE_DSL_KEEP="cubin", CUTE_DSL_DISABLE_FILE_CACHING="1")
-    proc = subprocess.run([sys.executable, "-c", _SM90_LEVER_SCRIPT, str(ROOT), variant, lever], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert "BUILD_OK" in proc.stdout, proc.stderr[-3000:]
-    cubin = sorted(tmp_path.rglob("*Sm90BlockScaledGroupedGemmKernel*.cubin"))[-1]
-    sass = ev.count_sass(subprocess.run([ev.find_cuobjdump(), "-sass", str(cubin)], capture_output=True,
-                                        text=True).stdout)
+    sass = ev.count_sass(_sm90_build_sass(tmp_path, "Sm90BlockScaledGroupedGemmKernel", _SM90_LEVER_SCRIPT, variant,
+                                          lever))
     widths = submission_sm90.SM90_VARIANT_CONFIGS[variant].widths
     assert sass["HGMMA"] == 3 * 8 * len(widths) and sass["WGDEP1"] > 0, sass
     assert sass["PR2UR"] == 0 and sass["LDL"] == 0 and sass["STL"] == 0, sass
@@ -190,12 +184,12 @@ print("BUILD_OK")
 """
 
 
-def _sm90_build_sass(tmp_path, part: str, name: str) -> str:
-    """The SASS of kernel `name`, built for sm_90a by `_SM90_BUILD_SCRIPT` (part) in a process of its own
-    (DSL 4.3.x without a driver stops after its first build)."""
+def _sm90_build_sass(tmp_path, name: str, script: str, *args: str) -> str:
+    """The SASS of kernel `name`, built for sm_90a by `script` (`_SM90_BUILD_SCRIPT`: a part; `_SM90_LEVER_SCRIPT`:
+    a variant and a lever) in a process of its own (DSL 4.3.x without a driver stops after its first build)."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP_CUBIN="1",
                CUTE_DSL_KEEP="cubin", CUTE_DSL_DISABLE_FILE_CACHING="1")
-    proc = subprocess.run([sys.executable, "-c", _SM90_BUILD_SCRIPT, str(ROOT), part], env=env,
+    proc = subprocess.run([sys.executable, "-c", script, str(ROOT), *args], env=env,
                           capture_output=True, text=True, timeout=900)
     assert "BUILD_OK" in proc.stdout, proc.stderr[-3000:]
     cubins = sorted(tmp_path.rglob(f"*{name}*.cubin"))
@@ -208,7 +202,7 @@ def _sm90_build_sass(tmp_path, part: str, name: str) -> str:
 @pytest.mark.parametrize("part, name, sass_ops", [("tensormaps", "GroupTensormapKernel", ()),
                                                   ("convert", "Sm90AConvertKernel", ("LDG", "STG.E.128"))])
 def test_sm90a_auxiliary_kernels_build(tmp_path, part, name, sass_ops):
-    sass = _sm90_build_sass(tmp_path, part, name)
+    sass = _sm90_build_sass(tmp_path, name, _SM90_BUILD_SCRIPT, part)
     assert "HGMMA" not in sass and "EXIT" in sass, sass[-2000:]
     for op in sass_ops:
         assert op in sass, (op, sass[-2000:])
