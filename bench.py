@@ -3,8 +3,8 @@
     python bench.py [FILE] [--repeats N] [--plot roofline.png] [--skip-slow] [--launch-paths P,Q] [--no-humming]
     python bench.py [FILE] --pdl-ab ROUNDS
     python bench.py [FILE] --ab A B [C ...] [--ab-rounds N] [--repeats N]
-    python bench.py --moe [--moe-cases A,B] [--moe-calls N] [--moe-patterns N] [--moe-profile]
-    python bench.py --moe --ab A B [C ...] [--ab-rounds N] [--moe-cases A,B] [--moe-calls N]
+    python bench.py --moe [--moe-cases A,B] [--moe-calls N] [--moe-patterns N] [--moe-profile] [--moe-shared-weights]
+    python bench.py --moe --ab A B [C ...] [--ab-rounds N] [--moe-cases A,B] [--moe-calls N] [--moe-shared-weights]
 
 For every benchmark case of FILE (default task.yml) it times, each on the same 15 input sets:
   kernel         submission.custom_kernel(data)
@@ -34,6 +34,10 @@ With --moe it runs bench_moe.py's cases instead: routed-expert GEMMs of DeepSeek
 against torch._grouped_mm and a cuBLAS loop on bf16, the fp4-bytes and bf16 floors, the first call's time
 and its compiles; a markdown table on stdout (bench_moe.py's docstring says how). --moe-profile adds, on
 stderr, a profile of one more re-routed call per case: where a new routing's host time goes.
+--moe-cases also takes the diagnostic cases parts-k256, parts-k512, parts-k1024 and parts-k2048 (128 experts of 16
+rows each, K 256 to 2048: a part's fixed cost against its chunks'), which only run when named, and
+--moe-shared-weights points every expert at one expert's weights (then read from L2): the kernel without the
+weights' DRAM traffic.
 Notes under the table say whether humming passed the check (and its worst |err|/tol), or why its column is
 absent (humming-kernels not importable, or --no-humming).
 """
@@ -494,7 +498,8 @@ def ab(submission, cases, settings: tuple, rounds: int, repeats: int) -> int:
     return status
 
 
-def ab_moe(submission, case_names: Optional[str], settings: tuple, rounds: int, calls: int) -> int:
+def ab_moe(submission, case_names: Optional[str], settings: tuple, rounds: int, calls: int,
+           shared: bool = False) -> int:
     """bench.py --moe --ab: the MoE cases' kernel µs (bench_moe's timing: the median of `calls` calls, each alone,
     L2 flushed) under settings A, B, ...; each setting's first call checked on NaN-poisoned outputs against the
     float64 decode."""
@@ -504,8 +509,8 @@ def ab_moe(submission, case_names: Optional[str], settings: tuple, rounds: int, 
     status = 0
     for case in bench_moe.select_cases(case_names):
         harness.progress(f"[{case.name}] routing, weights and inputs")
-        data = bench_moe.make_input(case, bench_moe.route(case, case.seed), bench_moe.make_weights(case, "cuda"),
-                                    case.seed, "cuda")
+        data = bench_moe.make_input(case, bench_moe.route(case, case.seed),
+                                    bench_moe.make_weights(case, "cuda", shared), case.seed, "cuda")
 
         def check(i: int) -> bool:
             for _, _, c in data[0]:
@@ -621,12 +626,16 @@ def main(argv=None) -> int:
     moe = parser.add_argument_group("MoE benchmark")
     moe.add_argument("--moe", action="store_true", help="run the MoE cases (bench_moe.py) instead of FILE's")
     moe.add_argument("--moe-cases", metavar="A,B", help="only these MoE cases, comma-separated: "
-                     + ", ".join(case.name for case in bench_moe.MOE_CASES))
+                     + ", ".join(case.name for case in bench_moe.MOE_CASES) + "; by name only: "
+                     + ", ".join(case.name for case in bench_moe.PART_CASES))
     moe.add_argument("--moe-calls", type=_positive_int, metavar="N", help="timed calls per method (median; 20)")
     moe.add_argument("--moe-patterns", type=_non_negative_int, metavar="N",
                      help="later calls on tokens routed anew, for the compile count (3)")
     moe.add_argument("--moe-profile", action="store_true",
                      help="print a profile of one more re-routed call per case (stderr): where its host time goes")
+    moe.add_argument("--moe-shared-weights", action="store_true",
+                     help="every expert's weights are one expert's (read from L2 after the first touch): the "
+                          "kernel's time without the weights' DRAM traffic, a diagnostic")
     args = parser.parse_args(argv)
     problem = ab_options_problem(args, {dest: parser.get_default(dest) for dest in vars(args)})
     problem = problem or bench_moe.options_problem(args, {dest: parser.get_default(dest) for dest in vars(args)})
@@ -673,7 +682,8 @@ def main(argv=None) -> int:
         return harness.usage_error("bench.py", f"no usable CUDA GPU (torch {torch.__version__}, "
                                           "torch.cuda.is_available() is False)")
     if args.moe and settings:
-        return ab_moe(submission, args.moe_cases, settings, args.ab_rounds, args.moe_calls)
+        return ab_moe(submission, args.moe_cases, settings, args.ab_rounds, args.moe_calls,
+                      args.moe_shared_weights)
     if args.moe:
         return bench_moe.main(args, submission)
     if settings:

@@ -17,6 +17,10 @@ non-empty expert), both on bf16 operands dequantized beforehand (not timed), eac
 events, L2 flushed before it. Floors: the fp4 bytes of the active experts at the DRAM read rate, and bf16's
 (bytes with 2-byte operands, or tensor-core time, whichever is larger). Progress goes to stderr, the
 markdown table and its notes to stdout; exit 1 when an output missed its tolerance or a case failed.
+
+Diagnostics: the `parts-k*` cases (PART_CASES, run only when named) give 128 experts 16 rows each with K from 256
+to 2048, so a line through their times parts a part's fixed cost from its chunks'; `--moe-shared-weights` points
+every expert at one expert's weights, which then come from L2: the kernel without the weights' DRAM traffic.
 """
 import cProfile
 import dataclasses
@@ -60,6 +64,7 @@ class MoeCase:
     top_k: int = 8
     zipf: float = 1.0  # popularity exponent s: expert of rank r is picked with weight r^-s
     seed: int = 1
+    rows: int = 0  # > 0: every expert gets exactly this many rows (no routing draw; experts x rows = tokens x top_k)
 
 
 # Zipf exponents (seed 1, torch 2.13): 1.0 leaves 13 (256 tokens) and 95 (64 tokens) of DeepSeek-V3's 256
@@ -74,11 +79,19 @@ MOE_CASES = (
 )
 
 
+# Diagnostic cases, run only when named (`--moe-cases parts-k256,parts-k2048`): 128 experts of 16 rows each, N 1536,
+# K 256 to 2048, so that every CTA runs the same parts (11.6 per SM on 132 SMs) of 2 to 16 chunks each; a line
+# through their times parts a part's fixed cost from its chunks' (docs/HOPPER_NOTES.md d37).
+PART_CASES = tuple(MoeCase(f"parts-k{k}", "uniform: 128 experts x 16 rows", 1536, k, 128, 256, rows=16)
+                   for k in (256, 512, 1024, 2048))
+
+
 def select_cases(names: Optional[str]) -> list:
-    """The cases named in a comma-separated list (all when None); ValueError naming an unknown one."""
+    """The cases named in a comma-separated list (MOE_CASES when None; PART_CASES only by name); ValueError
+    naming an unknown one."""
     if names is None:
         return list(MOE_CASES)
-    by_name = {case.name: case for case in MOE_CASES}
+    by_name = {case.name: case for case in MOE_CASES + PART_CASES}
     picked = [name.strip() for name in names.split(",") if name.strip()]
     unknown = [name for name in picked if name not in by_name]
     if unknown or not picked:
@@ -97,12 +110,13 @@ def options_problem(args, defaults: dict) -> Optional[str]:
     (20) and --moe-patterns (3) when --moe is given."""
     given = [f"--moe-{o}" for o in ("cases", "calls", "patterns") if getattr(args, f"moe_{o}") is not None]
     given += ["--moe-profile"] if getattr(args, "moe_profile", False) else []
+    given += ["--moe-shared-weights"] if getattr(args, "moe_shared_weights", False) else []
     if not args.moe:
         return f"{given[0]} needs --moe" if given else None
     others = [flag for dest, flag in OTHER_OPTIONS if getattr(args, dest) != defaults[dest]]
     if others:
         return f"{others[0]} does not apply to --moe (it runs its own cases; its options: --moe-cases, " \
-               "--moe-calls, --moe-patterns, --moe-profile, --ab)"
+               "--moe-calls, --moe-patterns, --moe-profile, --moe-shared-weights, --ab)"
     try:
         select_cases(args.moe_cases)
     except ValueError as err:
@@ -114,7 +128,10 @@ def options_problem(args, defaults: dict) -> Optional[str]:
 
 def route(case: MoeCase, seed: int) -> list:
     """Rows per expert: each of the case's tokens picks top_k distinct experts, drawn without replacement
-    with weights rank^-zipf over a seeded shuffle of the experts; sums to tokens x top_k."""
+    with weights rank^-zipf over a seeded shuffle of the experts; sums to tokens x top_k. A case with `rows` gives
+    every expert that many, whatever the seed."""
+    if case.rows:
+        return [case.rows] * case.experts
     gen = torch.Generator().manual_seed(seed)
     rank = torch.randperm(case.experts, generator=gen).double() + 1
     weight = (rank ** -case.zipf).float()
@@ -168,15 +185,16 @@ def _scales(rows: int, k: int, exp_max: int, gen, device) -> torch.Tensor:
     return pool[pick].view(torch.float8_e4m3fn).permute(1, 2, 0)
 
 
-def make_weights(case: MoeCase, device) -> list:
-    """(b, sfb, sfb_reordered) of every expert, seeded by the case."""
+def make_weights(case: MoeCase, device, shared: bool = False) -> list:
+    """(b, sfb, sfb_reordered) of every expert, seeded by the case; shared: every expert's are the first expert's
+    tensors (`--moe-shared-weights`)."""
     gen = torch.Generator(device).manual_seed(case.seed)
     torch.manual_seed(case.seed)  # the reordered scales' padding
     weights = []
-    for _ in range(case.experts):
+    for _ in range(1 if shared else case.experts):
         b, sfb = _fp4(case.n, case.k, gen, device), _scales(case.n, case.k, B_SCALE_EXP_MAX, gen, device)
         weights.append((b, sfb, reference.create_reordered_scale_factor_tensor(1, case.n, case.k, sfb)))
-    return weights
+    return weights * case.experts if shared else weights
 
 
 def make_input(case: MoeCase, ms: list, weights: list, seed: int, device):
@@ -344,14 +362,14 @@ def profile_lines(fn: Callable[[], object], top: int = 15) -> list:
 
 
 def run_case(case: MoeCase, submission, calls: int, patterns: int, device, notes: list,
-             profile: bool = False) -> MoeRow:
+             profile: bool = False, shared: bool = False) -> MoeRow:
     say = lambda what: harness.progress(f"[{case.name}] {what}")  # noqa: E731
     count = compile_counter(submission)
     on_gpu = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     keep_gpu_busy = (lambda: torch.cuda._sleep(BUSY_CYCLES)) if on_gpu else (lambda: None)
     row = MoeRow(case, route(case, case.seed))
-    weights = make_weights(case, device)
+    weights = make_weights(case, device, shared)
     data = make_input(case, row.ms, weights, case.seed, device)
     say(f"{sum(1 for m in row.ms if m == 0)} of {case.experts} experts empty, max M {max(row.ms)}; first call")
     before = count() if count else 0
@@ -476,17 +494,25 @@ def notes_lines(gpu: str, submission, calls: int, patterns: int) -> list:
     ]
 
 
+SHARED_WEIGHTS_NOTE = ("Weights shared (--moe-shared-weights): every expert's B and scales are one expert's tensors, so "
+                       "after the first touch they come from L2: the kernel's time without the weights' DRAM traffic "
+                       "(a diagnostic). The floors are still those of distinct weights.")
+
+
 def main(args, submission, device="cuda") -> int:
     """bench.py --moe after bench.py parsed its options and imported the submission on a CUDA GPU."""
     cases = select_cases(args.moe_cases)
     calls, patterns = args.moe_calls, args.moe_patterns
+    shared = getattr(args, "moe_shared_weights", False)
     rows, notes = [], []
+    if shared:
+        notes.append(SHARED_WEIGHTS_NOTE)
     for idx, case in enumerate(cases):
         harness.progress(f"[{idx + 1}/{len(cases)}] {case.name}: {case.layer}, N {case.n} K {case.k}, "
                          f"{case.experts} experts, {case.tokens} tokens x top-{case.top_k}")
         try:
             rows.append(run_case(case, submission, calls, patterns, torch.device(device), notes,
-                                 getattr(args, "moe_profile", False)))
+                                 getattr(args, "moe_profile", False), shared))
         except Exception as err:  # one case's failure is its row, and the run goes on
             harness.progress(f"[{case.name}] failed: {type(err).__name__}: {err}")
             rows.append(MoeRow(case, route(case, case.seed), error=f"{type(err).__name__}: "

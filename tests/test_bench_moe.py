@@ -39,6 +39,28 @@ def test_decode_cases_have_empty_experts_and_skew(case):
         assert max(ms) > 4 * sum(ms) / case.experts  # skewed: the top expert far above the mean
 
 
+@pytest.mark.parametrize("case", bm.PART_CASES, ids=lambda c: c.name)
+def test_part_cases_give_every_expert_the_same_rows(case):
+    for seed in (case.seed, case.seed + 1):
+        assert bm.route(case, seed) == [16] * 128
+    assert case.experts * case.rows == case.tokens * case.top_k
+    assert bm.select_cases(case.name) == [case]
+
+
+def test_part_cases_run_only_when_named():
+    assert bm.select_cases(None) == list(bm.MOE_CASES)
+    assert not set(bm.PART_CASES) & set(bm.MOE_CASES)
+    assert [c.k for c in bm.select_cases("parts-k256,parts-k2048")] == [256, 2048]
+
+
+def test_shared_weights_are_one_experts_tensors():
+    own, shared = bm.make_weights(TINY, "cpu"), bm.make_weights(TINY, "cpu", shared=True)
+    assert len(shared) == len(own) == TINY.experts
+    assert all(w is shared[0] for w in shared)
+    raw = lambda t: t.view(torch.uint8)  # noqa: E731  (torch compares no fp4 tensors)
+    assert torch.equal(raw(shared[0][0]), raw(own[0][0])) and not torch.equal(raw(own[1][0]), raw(own[0][0]))
+
+
 def test_default_cases_are_the_layers_asked_for():
     shapes = {(c.n, c.k, c.experts, c.tokens) for c in bm.MOE_CASES}
     assert shapes == {(4096, 7168, 256, 256), (4096, 7168, 256, 64), (7168, 2048, 256, 256),
@@ -156,6 +178,7 @@ def test_table_marks_failures_and_missing_values():
     (["--moe-cases", "dsv3-up-256"], "--moe-cases needs --moe"),
     (["--moe-calls", "5"], "--moe-calls needs --moe"),
     (["--moe-profile"], "--moe-profile needs --moe"),
+    (["--moe-shared-weights"], "--moe-shared-weights needs --moe"),
     (["--moe", "--moe-calls", "0"], "--moe-calls: '0' is not a positive integer"),
     (["--moe", "--repeats", "5"], "--repeats does not apply to --moe"),
     (["--moe", "task.yml"], "a case file does not apply to --moe"),
@@ -196,11 +219,12 @@ class StandIn:
         return out
 
 
-def _run(monkeypatch, capsys, stand_in, patterns=2, profile=False):
+def _run(monkeypatch, capsys, stand_in, patterns=2, profile=False, shared=False):
     monkeypatch.setattr(bm, "MOE_CASES", (TINY,))
     monkeypatch.setattr(bm, "median_us", lambda fn, calls: [fn()] and 10.0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stand-in GPU")
-    args = argparse.Namespace(moe_cases=None, moe_calls=3, moe_patterns=patterns, moe_profile=profile)
+    args = argparse.Namespace(moe_cases=None, moe_calls=3, moe_patterns=patterns, moe_profile=profile,
+                              moe_shared_weights=shared)
     code = bm.main(args, stand_in, device="cpu")
     out, err = capsys.readouterr()
     return code, out.splitlines(), err
@@ -231,6 +255,18 @@ def test_the_profile_of_a_re_routed_call_goes_to_stderr(monkeypatch, capsys):
     profile = err.split("[tiny] profile of a re-routed call (GPU busy), by cumulative time:\n")[1]
     assert "cumulative" in profile and "custom_kernel" in profile  # pstats' table, the stand-in's entry in it
     assert "profile" not in "\n".join(lines)  # the table and its notes are unchanged
+
+
+def test_a_run_on_shared_weights_checks_them_and_says_so(monkeypatch, capsys):
+    seen = []
+    real = bm.make_weights
+    monkeypatch.setattr(bm, "make_weights", lambda case, device, shared=False: seen.append(shared)
+                        or real(case, device, shared))
+    code, lines, _ = _run(monkeypatch, capsys, StandIn(), patterns=1, shared=True)
+    assert code == 0 and seen == [True] and float(lines[2].strip("|").split("|")[14]) <= 1
+    assert bm.SHARED_WEIGHTS_NOTE in lines
+    code, lines, _ = _run(monkeypatch, capsys, StandIn(), patterns=1)
+    assert code == 0 and seen == [True, False] and bm.SHARED_WEIGHTS_NOTE not in lines
 
 
 def test_a_wrong_kernel_fails_the_run_but_prints_the_table(monkeypatch, capsys):
