@@ -507,6 +507,9 @@ def main(args, submission, device="cuda") -> int:
     rows, notes = [], []
     if shared:
         notes.append(SHARED_WEIGHTS_NOTE)
+    if any(case.rows for case in cases):
+        notes.append("parts-k* cases: no routing draw; every expert gets the same rows, so every re-routed call "
+                     "repeats the first call's shape.")
     for idx, case in enumerate(cases):
         harness.progress(f"[{idx + 1}/{len(cases)}] {case.name}: {case.layer}, N {case.n} K {case.k}, "
                          f"{case.experts} experts, {case.tokens} tokens x top-{case.top_k}")
