@@ -1,4 +1,5 @@
 """The kernels build for their GPUs on a machine without one (`eval.py compile`), and their SASS is sane."""
+import dataclasses
 import importlib.util
 import json
 import os
@@ -107,50 +108,69 @@ def test_sm90a_builds_for_every_task_group_count(tmp_path, variant):
         assert row["ok"], row
         # the kernel built (sm90_auto: the variant its choice per problem builds, `built_as`)
         config = submission_sm90.SM90_VARIANT_CONFIGS[row["built_as"]]
-        expect = sm90_expectations(config)
-        sass = row["sass"]
-        # wgmma, TMA loads of the fp4 bytes, TMA store of C
-        assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["UTMASTG"] > 0, row
-        # the epilogue writes its slab with stmatrix: one instruction per 16 rows of each width (docs/HOPPER_NOTES.md
-        # v31), at least one per width
-        assert sass["STSM"] >= len(config.widths), row
-        # wgmma groups stay pipelined (one left in flight per wait), not serialized by ptxas
-        if expect["pipelined"]:
-            assert sass["WGDEP1"] > 0, row
-        assert sass["UTCOMMA"] == 0, row  # no Blackwell instruction leaked in
-        assert sass["PR2UR"] == 0, row  # no R2UR under a lane predicate: illegal on sm_90a (eval.py's NOTES)
-        assert sass["PREEXIT"] == sass["ACQBULK"] == int(PDL_ON), row  # programmatic dependent launch
-        if expect["no_spills"]:
-            assert sass["LDL"] == 0 and sass["STL"] == 0, row
-        # the consumers' forms (docs/HOPPER_NOTES.md v34, v35): a row's two B scales in one 16-bit load, the
-        # second taken as a broadcast half; the chunk loop's body twice and once more for an odd count (8
-        # wgmmas a chunk, per width). The M-exact builds' producer (v33): the next part's work-list entry
-        # prefetched into L1, its group's descriptors into the descriptor cache.
-        assert sass["LDS16"] > 0 and sass["HBCAST1"] > 0, row
-        assert sass["HGMMA"] == 3 * 8 * len(config.widths), row
-        if config.m_exact:
-            assert sass["PFL1"] > 0 and sass["TMAPF"] > 0, row
-        # the GEMM writes C by TMA only (descriptors are prepared by GroupTensormapKernel); plain global stores
-        # only where the launch converts A itself (a16_fused: the fp16 A and the grid barrier's two words)
-        if config.a16_prepass and config.a16_fused:
-            assert sass["STG"] > 0, row
-        else:
-            assert sass["STG"] == 0, row
+        check_sm90_gemm_sass(row["sass"], config, row)
 
 
-_SM90_LEVER_SCRIPT = r"""
+def check_sm90_gemm_sass(sass: dict, config, where) -> None:
+    """What the SASS counts (`eval.count_sass`) of every Hopper GEMM build must show, for its `config`; `where`
+    goes into each failure's message."""
+    expect = sm90_expectations(config)
+    # wgmma, TMA loads of the fp4 bytes, TMA store of C
+    assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["UTMASTG"] > 0, where
+    # the epilogue writes its slab with stmatrix: one instruction per 16 rows of each width (docs/HOPPER_NOTES.md
+    # v31), at least one per width
+    assert sass["STSM"] >= len(config.widths), where
+    # wgmma groups stay pipelined (one left in flight per wait), not serialized by ptxas
+    if expect["pipelined"]:
+        assert sass["WGDEP1"] > 0, where
+    assert sass["UTCOMMA"] == 0, where  # no Blackwell instruction leaked in
+    assert sass["PR2UR"] == 0, where  # no R2UR under a lane predicate: illegal on sm_90a (eval.py's NOTES)
+    assert sass["PREEXIT"] == sass["ACQBULK"] == int(PDL_ON), where  # programmatic dependent launch
+    if expect["no_spills"]:
+        assert sass["LDL"] == 0 and sass["STL"] == 0, where
+    # the consumers' forms (docs/HOPPER_NOTES.md v34, v35): a row's two B scales in one 16-bit load, the
+    # second taken as a broadcast half; the chunk loop's body twice and once more for an odd count (8
+    # wgmmas a chunk, per width). The M-exact builds' producer (v33): the next part's work-list entry
+    # prefetched into L1, its group's descriptors into the descriptor cache.
+    assert sass["LDS16"] > 0 and sass["HBCAST1"] > 0, where
+    assert sass["HGMMA"] == 3 * 8 * len(config.widths), where
+    if config.m_exact:
+        assert sass["PFL1"] > 0 and sass["TMAPF"] > 0, where
+    # the GEMM writes C by TMA only (descriptors are prepared by GroupTensormapKernel); plain global stores
+    # only where the launch converts A itself (a16_fused: the fp16 A and the grid barrier's two words)
+    if config.a16_prepass and config.a16_fused:
+        assert sass["STG"] > 0, where
+    else:
+        assert sass["STG"] == 0, where
+
+
+# The frame of a build script for `_sm90_build_sass`: the project on sys.path (argv[1]), then BUILD_BODY, which
+# defines build() (from the rest of argv), then BUILD_OK.
+_SM90_SCRIPT_FRAME = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 import submission
 import submission_sm90
-submission_sm90.set_sm90_overrides(**{sys.argv[3]: True})
+BUILD_BODY
 try:
-    submission.compile_for(8, "sm_90a", sys.argv[2])
+    build()
 except Exception as err:  # 4.3.x without a driver: the cubin is written, then loading it fails
     if "CudaDriverDependencyError" not in repr(err) and "CUDA Driver Dependency" not in str(err):
         raise
 print("BUILD_OK")
 """
+
+
+def _sm90_script(body: str) -> str:
+    return _SM90_SCRIPT_FRAME.replace("BUILD_BODY", body)
+
+
+# argv[2] a variant, argv[3] a Sm90GemmConfig switch turned on over it
+_SM90_LEVER_SCRIPT = _sm90_script("""
+def build():
+    submission_sm90.set_sm90_overrides(**{sys.argv[3]: True})
+    submission.compile_for(8, "sm_90a", sys.argv[2])
+""")
 
 
 # A lever under measurement (a Sm90GemmConfig switch, off in every variant, so the build test above does not build
@@ -159,29 +179,19 @@ print("BUILD_OK")
 def test_sm90a_lever_builds(tmp_path, variant, lever):
     sass = ev.count_sass(_sm90_build_sass(tmp_path, "Sm90BlockScaledGroupedGemmKernel", _SM90_LEVER_SCRIPT, variant,
                                           lever))
-    widths = submission_sm90.SM90_VARIANT_CONFIGS[variant].widths
-    assert sass["HGMMA"] == 3 * 8 * len(widths) and sass["WGDEP1"] > 0, sass
-    assert sass["PR2UR"] == 0 and sass["LDL"] == 0 and sass["STL"] == 0, sass
-    assert sass["PFL1"] > 0 and sass["TMAPF"] > 0, sass
+    config = dataclasses.replace(submission_sm90.SM90_VARIANT_CONFIGS[variant], **{lever: True})
+    check_sm90_gemm_sass(sass, config, sass)
 
 
-_SM90_BUILD_SCRIPT = r"""
-import sys
-sys.path.insert(0, sys.argv[1])
-import submission
-import submission_sm90
+# argv[2] a part of a variant with the A conversion as its own launch (so both parts exist)
+_SM90_BUILD_SCRIPT = _sm90_script("""
 import dataclasses
 configs = submission_sm90.SM90_VARIANT_CONFIGS
-part = sys.argv[2]
-# a variant with the A conversion as its own launch: both parts
 config = dataclasses.replace(next(c for c in configs.values() if c.a16_prepass), a16_fused=False)
-try:
-    submission.compiled_kernel(submission.compile_key(2, "sm_90a", config, part))
-except Exception as err:  # 4.3.x without a driver: the cubin is written, then loading it fails
-    if "CudaDriverDependencyError" not in repr(err) and "CUDA Driver Dependency" not in str(err):
-        raise
-print("BUILD_OK")
-"""
+
+def build():
+    submission.compiled_kernel(submission.compile_key(2, "sm_90a", config, sys.argv[2]))
+""")
 
 
 def _sm90_build_sass(tmp_path, name: str, script: str, *args: str) -> str:
