@@ -152,6 +152,10 @@ class Sm90GemmConfig:
       the producer prepares part i + 1 (its group's size row and scale pointers into L1, its descriptors
       acquired and prefetched) when part i starts instead of once part i's loads are issued, and prefetches
       the work-list entry two parts ahead, so that nothing it reads between two parts' loads is still in flight.
+    pingpong: consumer_pairs = 2 only, a lever under measurement (off in every variant; docs/HOPPER_NOTES.md v41):
+      the pairs take alternate parts of the CTA's work list (pair p the parts of parity p) instead of alternate
+      chunks of every part, each with its own epilogue slabs and barriers and no accumulator hand-over, so that
+      one pair's part start and end (first wait, drain, epilogue) overlap the other pair's mainloop.
     """
 
     num_stages: int = 0
@@ -165,6 +169,7 @@ class Sm90GemmConfig:
     consumer_pairs: int = 1
     a16_buffers: int = 0
     part_lookahead: bool = False
+    pingpong: bool = False
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
@@ -177,6 +182,8 @@ class Sm90GemmConfig:
         if self.consumer_pairs not in (1, 2) or (self.consumer_pairs == 2 and not (self.m_exact and self.max_width <= 32)):
             raise ValueError(f"Sm90GemmConfig.consumer_pairs={self.consumer_pairs}: 1, or 2 with m_exact and "
                              "max_width <= 32")
+        if self.pingpong and self.consumer_pairs != 2:
+            raise ValueError("Sm90GemmConfig.pingpong: only with consumer_pairs=2 (pairs to alternate parts between)")
         if self.part_lookahead and not self.m_exact:
             raise ValueError("Sm90GemmConfig.part_lookahead: only with m_exact (a work list to read ahead in)")
         if self.m_exact and not 0 < len(self.widths) <= SM90_MAX_BUILD_WIDTHS:
@@ -1199,8 +1206,9 @@ class Sm90BlockScaledGroupedGemmKernel:
     `Sm90GemmConfig.a16_buffers` of them (`sm90_a16_pairs`: 8 stages and 8 buffers of 8 KB, beside pair 1's
     fp32 hand-over slabs)
     + 2 x 16 KB epilogue: ~205 KB without the prepass, 213 / 196 KB for m_exact up to 192 / 128 rows.
-    Named barriers: EPILOGUE_BARRIER + consumer index (128 threads each); consumer_pairs = 2 also
-    EXCHANGE_BARRIER + 0..3 (`join_pairs`, 256 threads each).
+    Named barriers: EPILOGUE_BARRIER + epilogue slab (128 threads each: a slab per consumer warpgroup that stores,
+    four with pingpong); consumer_pairs = 2 without pingpong also EXCHANGE_BARRIER + 0..3 (`join_pairs`, 256
+    threads each).
     Pipelines (the DSL's classes, as the Blackwell kernels use): the stage ring is a `PipelineTmaAsync`
     (producer TMA and bulk copies -> consumer warps, and the transform warps that read A from it); the fp16 A
     ring a `PipelineTmaAsync` with the prepass (its byte count per tile width, `with_tx_count`), else a
@@ -1266,9 +1274,15 @@ class Sm90BlockScaledGroupedGemmKernel:
         # retire, so the deeper ring loads A further ahead (measured: 4 instead of 3 buffers, 5 % / 3 % faster on
         # bench2 / bench3; 8 instead of 4 for the consumer pairs, 14 %).
         self.pairs = config.consumer_pairs
-        # consumer_pairs = 2: pair 1's fp32 accumulator, [v4 j][thread] of 16 bytes, per consumer warpgroup
-        self.x_bytes = 64 * self.tile_m * 4 if self.pairs == 2 else 0
-        free = (DYNAMIC_SMEM_BUDGET - self.SMEM_SLACK - self.num_stages * self.stage_bytes - 2 * self.C_BYTES
+        # pingpong: each pair consumes whole parts (consecutive chunks), else the pairs alternate chunks
+        self.pingpong = config.pingpong
+        self.chunk_step = 1 if self.pingpong else self.pairs
+        # consumer_pairs = 2 without pingpong: pair 1's fp32 accumulator, [v4 j][thread] of 16 bytes, per consumer
+        # warpgroup
+        self.x_bytes = 64 * self.tile_m * 4 if self.pairs == 2 and not self.pingpong else 0
+        # epilogue slabs: one per consumer warpgroup that stores tiles (both pairs' with pingpong)
+        self.c_slabs = 2 * self.pairs if self.pingpong else 2
+        free = (DYNAMIC_SMEM_BUDGET - self.SMEM_SLACK - self.num_stages * self.stage_bytes - self.c_slabs * self.C_BYTES
                 - 2 * self.x_bytes)
         self.num_a16 = config.a16_buffers or min(4, free // self.a16_bytes)
         if self.num_a16 * self.a16_bytes > free or self.num_a16 < max(2, self.pairs):
@@ -1446,7 +1460,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                 cute.struct.MemRange[cutlass.Uint8, max(self.num_stages * self.a_stage_bytes, 16)], 1024]
             sSF: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.num_stages * self.sf_stage_bytes], 128]
             a16: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.num_a16 * self.a16_bytes // 2], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, 2 * self.C_BYTES // 2], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.c_slabs * self.C_BYTES // 2], 1024]
             sX: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, max(2 * self.x_bytes // 4, 4)], 128]
 
         self.shared_storage = SharedStorage
@@ -1534,8 +1548,8 @@ class Sm90BlockScaledGroupedGemmKernel:
             a_tile = (128, 64)
         tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), sA,
                                            cute.group_modes(cute.local_tile(g_a, a_tile, (None, None)), 0, 2))
-        # (box, box within a slab, consumer warpgroup): the epilogue slabs as box_rows-row boxes of C^T
-        sC = storage.sC.get_tensor(cute.make_layout((c_box.outer.shape, 128 // self.box_rows, 2),
+        # (box, box within a slab, slab): the epilogue slabs as box_rows-row boxes of C^T
+        sC = storage.sC.get_tensor(cute.make_layout((c_box.outer.shape, 128 // self.box_rows, self.c_slabs),
                                                     stride=(c_box.outer.stride, self.box_rows * 64,
                                                             self.C_BYTES // 2)), swizzle=c_box.inner)
         gC = cute.group_modes(cute.local_tile(g_c, (64, self.box_rows), (None, None)), 0, 2)  # (box, RestN, RestM)
@@ -1810,8 +1824,9 @@ class Sm90BlockScaledGroupedGemmKernel:
         # PTX has every lane of the warp issue it); with warp-uniform operands the SASS issues it once per warp.
         c_store = pipeline.PipelineTmaStore.create(
             num_stages=1, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32))
-        # this warpgroup's epilogue barrier (a runtime id: a NamedBarrier object wants a compile-time one)
-        epilogue_barrier = self.EPILOGUE_BARRIER + wg
+        # this warpgroup's epilogue slab and barrier (a runtime id: a NamedBarrier object wants a compile-time one)
+        slab = wg + 2 * pair if cutlass.const_expr(self.pingpong) else wg
+        epilogue_barrier = self.EPILOGUE_BARRIER + slab
 
         # Per-thread constants, kept to a few registers: every other offset is base + compile-time constant.
         # B: rows r, r + 8 of each 64-row block (r + 8 and r + 64 keep the SW64 swizzle and the scale-slice
@@ -1830,17 +1845,22 @@ class Sm90BlockScaledGroupedGemmKernel:
         for i in range(begin, end):
             g, m0, width_idx, n_tile, _, chunks, is_split, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
             g = cute.arch.make_warp_uniform(g)
-            if g != last_g:
-                if w == 0:  # the warp that issues this warpgroup's TMA stores
-                    descriptors.acquire(g, (Sm90TensorMapSlot.C,))
-                last_g = g
-            for wi in cutlass.range_constexpr(len(self.widths)):
-                if width_idx == wi:
-                    self.consume_tile(self.widths[wi], tiled_mmas[wi], sA16[wi], frags, chunk, chunks, is_split, i, grid,
-                                      work, descriptors, descriptors.for_tma(g, (Sm90TensorMapSlot.C,))[0], m0,
-                                      n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
-                                      epilogue_barrier, smem, b_off, sfb_off,
-                                      (pair, cutlass.Int32(i > begin), cutlass.Int32(i + 1 < end)))
+            # pingpong: this pair's parts are those of its parity (every role still counts every part's chunks)
+            mine = cutlass.Int32(1)
+            if cutlass.const_expr(self.pingpong):
+                mine = cute.arch.make_warp_uniform(cutlass.Int32((i - begin) % 2 == pair))
+            if mine != 0:
+                if g != last_g:
+                    if w == 0:  # the warp that issues this warpgroup's TMA stores
+                        descriptors.acquire(g, (Sm90TensorMapSlot.C,))
+                    last_g = g
+                for wi in cutlass.range_constexpr(len(self.widths)):
+                    if width_idx == wi:
+                        self.consume_tile(self.widths[wi], tiled_mmas[wi], sA16[wi], frags, chunk, chunks, is_split, i,
+                                          grid, work, descriptors, descriptors.for_tma(g, (Sm90TensorMapSlot.C,))[0],
+                                          m0, n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
+                                          (slab, epilogue_barrier), smem, b_off, sfb_off,
+                                          (pair, cutlass.Int32(i > begin), cutlass.Int32(i + 1 < end)))
             chunk = chunk + chunks
         if w == 0:
             c_store.producer_tail()  # the stores have completed before the CTA retires
@@ -1848,13 +1868,14 @@ class Sm90BlockScaledGroupedGemmKernel:
     @cute.jit
     def consume_tile(self, width: int, tiled_mma, sA16, frags, chunk, num_chunks, is_split, i, grid, work, descriptors,
                      desc_c, m0, n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
-                     epilogue_barrier, smem, b_off, sfb_off, team):
+                     epilogue, smem, b_off, sfb_off, team):
         """One part of a tile of `width` rows of A: its K loop into the accumulator (64 n x width m); a part of
         a split tile then meets the others' (`split_fixup`); the epilogue, where the tile is complete (fp16
         slabs of at most 128 m x 64 n, TMA-stored as box_rows-row boxes of C^T).
+        epilogue: (this warpgroup's epilogue slab, its named barrier).
         team: (pair, 1 if the CTA had a tile before this one, 1 if it has one after): with consumer_pairs = 2
         pair p takes the chunks c = p, p + 2, ... and pair 1's accumulator joins pair 0's (`join_pairs`), which
-        alone goes on to split-K and the epilogue."""
+        alone goes on to split-K and the epilogue; with pingpong a pair takes every chunk of its parts."""
         thr_mma = tiled_mma.get_slice(tid)
         # (MMA, MMA_N, MMA_K, A16 buffer)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sA16))
@@ -1862,8 +1883,9 @@ class Sm90BlockScaledGroupedGemmKernel:
         acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((64, width)), cutlass.Float32)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         acc.fill(0.0)
-        pair = team[0] if cutlass.const_expr(self.pairs == 2) else 0  # the first of this warpgroup's chunks
-        step = self.pairs
+        pair = team[0] if cutlass.const_expr(self.pairs == 2) else 0
+        first_chunk = 0 if cutlass.const_expr(self.pingpong) else pair  # the first of this warpgroup's chunks
+        step = self.chunk_step
         # consume_chunk's arguments after (ring count, first), the same for every chunk of the part (NOTES: a
         # tuple, not a closure: the DSL refuses a nested function that captures values across its loops)
         rest = (self.num_a16 + pair, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off, sfb_off)
@@ -1873,17 +1895,17 @@ class Sm90BlockScaledGroupedGemmKernel:
         # between wgmma groups makes ptxas wait for every wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the
         # SASS): the MMAs serialize. The odd chunk's `if` comes after the loop's last wgmma group, and the SASS
         # keeps every wait pipelined (tests/test_build.py counts the loop bodies and WARPGROUP.DEPBAR 1).
-        mine = (num_chunks - pair + step - 1) // step  # this pair's chunks
+        mine = (num_chunks - first_chunk + step - 1) // step  # this pair's chunks
         for j in range(mine // 2):
-            self.consume_chunk(chunk + pair + 2 * step * j, cutlass.Int32(j == 0), *rest)
-            self.consume_chunk(chunk + pair + 2 * step * j + step, cutlass.Int32(0), *rest)
+            self.consume_chunk(chunk + first_chunk + 2 * step * j, cutlass.Int32(j == 0), *rest)
+            self.consume_chunk(chunk + first_chunk + 2 * step * j + step, cutlass.Int32(0), *rest)
         if mine % 2 == 1:
-            self.consume_chunk(chunk + pair + step * (mine - 1), cutlass.Int32(mine == 1), *rest)
+            self.consume_chunk(chunk + first_chunk + step * (mine - 1), cutlass.Int32(mine == 1), *rest)
         warpgroup.wait_group(0)
-        if cutlass.const_expr(self.pairs == 1):
+        if cutlass.const_expr(self.chunk_step == 1):
             a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
             self.finish_tile(width, acc, is_split, i, grid, work, descriptors, desc_c, m0, n_tile, wg, w, tid, tma_c,
-                             tCsC, tCgC, c_store, epilogue_barrier, smem)
+                             tCsC, tCgC, c_store, epilogue, smem)
         else:
             if pair < num_chunks:  # the fp16 A buffer of this pair's last chunk
                 a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1 - (num_chunks - 1 - pair) % 2,
@@ -1891,7 +1913,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             self.join_pairs(width, acc, team, wg, tid, smem)
             if pair == 0:
                 self.finish_tile(width, acc, is_split, i, grid, work, descriptors, desc_c, m0, n_tile, wg, w, tid,
-                                 tma_c, tCsC, tCgC, c_store, epilogue_barrier, smem)
+                                 tma_c, tCsC, tCgC, c_store, epilogue, smem)
 
     @cute.jit
     def join_pairs(self, width: int, acc, team, wg, tid, smem):
@@ -1919,9 +1941,10 @@ class Sm90BlockScaledGroupedGemmKernel:
 
     @cute.jit
     def finish_tile(self, width: int, acc, is_split, i, grid, work, descriptors, desc_c, m0, n_tile, wg, w, tid,
-                    tma_c, tCsC, tCgC, c_store, epilogue_barrier, smem):
+                    tma_c, tCsC, tCgC, c_store, epilogue, smem):
         """A tile part's accumulator to C: split-K's meeting of the parts where it is one (`split_fixup`), then
-        the epilogue where the tile is complete."""
+        the epilogue where the tile is complete. epilogue: (slab, named barrier) of this warpgroup."""
+        slab, epilogue_barrier = epilogue
         complete = cutlass.Int32(1)
         if cutlass.const_expr(self.m_exact):
             if is_split != 0:
@@ -1931,8 +1954,8 @@ class Sm90BlockScaledGroupedGemmKernel:
                 complete = self.split_fixup(width, acc, split, slot, work, descriptors.tensormaps, wg, tid,
                                             epilogue_barrier)
         if complete != 0:
-            self.epilogue(width, acc, desc_c, m0, n_tile, wg, w, tid, tma_c, tCsC, tCgC, c_store, epilogue_barrier,
-                          smem)
+            self.epilogue(width, acc, desc_c, m0, n_tile, wg, w, tid, tma_c, tCsC, tCgC, c_store, slab,
+                          epilogue_barrier, smem)
 
     @cute.jit
     def split_fixup(self, width: int, acc, split, slot, work, tensormaps, wg, tid, epilogue_barrier):
@@ -1971,7 +1994,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         return last
 
     @cute.jit
-    def epilogue(self, width: int, acc, desc_c, m0, n_tile, wg, w, tid, tma_c, tCsC, tCgC, c_store,
+    def epilogue(self, width: int, acc, desc_c, m0, n_tile, wg, w, tid, tma_c, tCsC, tCgC, c_store, slab,
                  epilogue_barrier, smem):
         """Per pass of at most 128 rows of A: acc -> fp16 slab [m][n] in shared memory (128-byte rows of 64 n,
         128-byte swizzle) by stmatrix -> TMA stores of box_rows x 64 boxes of C^T.
@@ -1982,7 +2005,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         swizzled by m % 8, so the 8 rows of a matrix fill all 32 banks: one wavefront per matrix, where one
         16-bit store per value with 4-way bank conflicts made 8 per matrix (docs/HOPPER_NOTES.md v31)."""
         lane = tid % 32
-        c_slab = smem.c + wg * self.C_BYTES
+        c_slab = smem.c + slab * self.C_BYTES
         n0 = n_tile * self.tile_n + 64 * wg
         row = lane % 8  # the slab row (m % 8) whose address this lane gives
         for p in cutlass.range_constexpr((width + 127) // 128):
@@ -1999,7 +2022,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
             if w == 0:
                 for j in cutlass.range_constexpr(rows // self.box_rows):
-                    cute.copy(tma_c, tCsC[(None, j, wg)],
+                    cute.copy(tma_c, tCsC[(None, j, slab)],
                               tCgC[(None, n0 // 64, (m0 + 128 * p) // self.box_rows + j)], tma_desc_ptr=desc_c)
                 c_store.producer_commit()
 
@@ -2024,8 +2047,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         # first chunk releases its pair's spare barrier after the ring instead (`spare`: index num_a16 + pair):
         # the tile before released its last buffer after its final wait; a select, not a branch (see
         # consume_tile's NOTES). The buffer of this pair's previous chunk: chunk - 1 (chunk - 2 with
-        # consumer_pairs = 2).
-        prev_index = ring_state(chunk + self.num_a16 - self.pairs, self.num_a16).index
+        # consumer_pairs = 2 but not pingpong: `chunk_step`).
+        prev_index = ring_state(chunk + self.num_a16 - self.chunk_step, self.num_a16).index
         prev_state = pipeline.PipelineState(self.num_a16, chunk, first * spare + (1 - first) * prev_index, 0)
 
         # -- per quarter (32 k = word t of each row): dequantize into the register fragment and issue
