@@ -31,9 +31,14 @@ pytestmark = [pytest.mark.gpu,
 # "auto": the tile custom_kernel picks by itself; the others force one entry of SM90_VARIANT_CONFIGS (the
 # sm90_a16_* ones convert A to fp16 once per call, as the GEMM launch's first phase); "two_launch":
 # sm90_a16_mexact with that conversion as a launch of its own (Sm90GemmConfig.a16_fused=False); "whole_tiles":
-# sm90_a16_mexact planned without split-K (Sm90GemmConfig.split_k=False: no tile's K split across CTAs).
+# sm90_a16_mexact planned without split-K (Sm90GemmConfig.split_k=False: no tile's K split across CTAs);
+# "pingpong": sm90_a16_pairs with its pairs on alternate parts (Sm90GemmConfig.pingpong, a lever under measurement).
 CONFIGS = ["auto", "sm90_tile128", "sm90_a16_mexact", "sm90_a16_mexact128", "sm90_a16_narrow", "sm90_a16_pairs",
-           "two_launch", "whole_tiles"]
+           "two_launch", "whole_tiles", "pingpong"]
+# A CONFIGS entry that is a variant with one Sm90GemmConfig field changed: (variant, field, value)
+CHANGED_FIELD = {"two_launch": ("sm90_a16_mexact", "a16_fused", False),
+                 "whole_tiles": ("sm90_a16_mexact", "split_k", False),
+                 "pingpong": ("sm90_a16_pairs", "pingpong", True)}
 
 
 def _task_cases(section):
@@ -62,6 +67,10 @@ EDGE_CASES = {
     # empty groups (M = 0) first, last and between, beside every width: they stay in the tables, no tile
     "empty_groups": dict(m=[0, 40, 0, 200, 1, 0], n=[256, 512, 128, 256, 384, 128], k=[512, 256, 768, 512, 256, 256],
                          g=6, seed=15),
+    # narrow experts of long K, two to three parts per CTA: each part many more 128-k chunks than any ring has
+    # stages (the consumer pairs' turns at the rings with pingpong)
+    "long_parts": dict(m=[8, 16, 24, 32, 5, 12, 20, 30, 1, 17], n=[4096] * 10, k=[2048] * 8 + [7168] * 2, g=10,
+                       seed=17),
     # split-K: few tiles of long K, so the plan splits them across up to SM90_MAX_PARTS CTAs each
     "split_k": dict(m=[1, 192, 65, 300], n=[128, 128, 256, 128], k=[7168, 4096, 2048, 6144], g=4, seed=14),
 }
@@ -77,9 +86,9 @@ def sm90(request, monkeypatch):
     # sm90_auto keeps the build it chose per weight shape: each test chooses afresh, so that a forced choice
     # below is the one that runs (an earlier test's choice for the same shape would win otherwise).
     monkeypatch.setattr(submission_sm90.BACKEND, "_weight_shape_choices", collections.OrderedDict())
-    if config in ("two_launch", "whole_tiles"):  # sm90_a16_mexact with one config field changed
-        field = {"two_launch": "a16_fused", "whole_tiles": "split_k"}[config]
-        forced = dataclasses.replace(submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], **{field: False})
+    if config in CHANGED_FIELD:
+        variant, field, value = CHANGED_FIELD[config]
+        forced = dataclasses.replace(submission_sm90.SM90_VARIANT_CONFIGS[variant], **{field: value})
         monkeypatch.setattr(submission_sm90, "choose_sm90_config", lambda sizes, num_sms: forced)
     elif config != "auto":
         forced = submission_sm90.SM90_VARIANT_CONFIGS[config]
