@@ -1208,7 +1208,7 @@ class Sm90BlockScaledGroupedGemmKernel:
     + 2 x 16 KB epilogue: ~205 KB without the prepass, 213 / 196 KB for m_exact up to 192 / 128 rows.
     Named barriers: EPILOGUE_BARRIER + epilogue slab (128 threads each: a slab per consumer warpgroup that stores,
     four with pingpong); consumer_pairs = 2 without pingpong also EXCHANGE_BARRIER + 0..3 (`join_pairs`, 256
-    threads each); with pingpong ORDER_BARRIER (512 threads: the pairs' turns, `consume_tile`).
+    threads each); with pingpong ORDER_BARRIER + pair (512 threads each: the pairs' turns, `consume_tile`).
     Pipelines (the DSL's classes, as the Blackwell kernels use): the stage ring is a `PipelineTmaAsync`
     (producer TMA and bulk copies -> consumer warps, and the transform warps that read A from it); the fp16 A
     ring a `PipelineTmaAsync` with the prepass (its byte count per tile width, `with_tx_count`), else a
@@ -1233,7 +1233,8 @@ class Sm90BlockScaledGroupedGemmKernel:
     # consumer_pairs = 2: + consumer warpgroup (0, 1): pair 1's accumulator is in its slab ("full"); + 2 +
     # warpgroup: pair 0 has read it ("free"); 256 threads each (the two warpgroups of the same rows)
     EXCHANGE_BARRIER = 4
-    # pingpong: the pairs' turns at the rings (`consume_tile`), 512 threads (one pair arrives, the other waits)
+    # pingpong: + pair p: pair p has passed its part's chunks, the other pair's turn at the rings (`consume_tile`);
+    # 512 threads each (pair p arrives, the other pair waits)
     ORDER_BARRIER = 6
     SLOT_ROWS = 128  # rows of B in a split-K partial slot (the tile's)
 
@@ -1904,9 +1905,11 @@ class Sm90BlockScaledGroupedGemmKernel:
             # chunk while the other pair still had more than a lap of its own part to go would pass at once,
             # on the earlier chunk's data. So a pair starts its part's chunks only once the other pair has
             # passed the waits of its part's last chunk (then the producer has filled every chunk before
-            # this one); its drain and epilogue still overlap the other pair's chunks.
+            # this one); its drain and epilogue still overlap the other pair's chunks. One barrier per direction:
+            # with one for both, a pair with a short part could arrive and then wait on the same barrier before
+            # the other pair's wait there, and complete it with its own two halves (measured: a hang).
             if team[1] != 0:
-                cute.arch.barrier(barrier_id=self.ORDER_BARRIER, number_of_threads=512)
+                cute.arch.barrier(barrier_id=self.ORDER_BARRIER + 1 - pair, number_of_threads=512)
         for j in range(mine // 2):
             self.consume_chunk(chunk + first_chunk + 2 * step * j, cutlass.Int32(j == 0), *rest)
             self.consume_chunk(chunk + first_chunk + 2 * step * j + step, cutlass.Int32(0), *rest)
@@ -1914,7 +1917,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             self.consume_chunk(chunk + first_chunk + step * (mine - 1), cutlass.Int32(mine == 1), *rest)
         if cutlass.const_expr(self.pingpong):
             if team[2] != 0:  # the other pair's turn: it has the next part
-                cute.arch.barrier_arrive(barrier_id=self.ORDER_BARRIER, number_of_threads=512)
+                cute.arch.barrier_arrive(barrier_id=self.ORDER_BARRIER + pair, number_of_threads=512)
         warpgroup.wait_group(0)
         if cutlass.const_expr(self.chunk_step == 1):
             a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
