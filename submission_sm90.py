@@ -148,10 +148,6 @@ class Sm90GemmConfig:
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
-    part_lookahead: m_exact only, a lever under measurement (off in every variant; docs/HOPPER_NOTES.md v39):
-      the producer prepares part i + 1 (its group's size row and scale pointers into L1, its descriptors
-      acquired and prefetched) when part i starts instead of once part i's loads are issued, and prefetches
-      the work-list entry two parts ahead, so that nothing it reads between two parts' loads is still in flight.
     pingpong: consumer_pairs = 2 only, a lever under measurement (off in every variant; docs/HOPPER_NOTES.md v41):
       the pairs take alternate parts of the CTA's work list (pair p the parts of parity p) instead of alternate
       chunks of every part, each with its own epilogue slabs and barriers and no accumulator hand-over, so that
@@ -168,7 +164,6 @@ class Sm90GemmConfig:
     split_k: bool = True
     consumer_pairs: int = 1
     a16_buffers: int = 0
-    part_lookahead: bool = False
     pingpong: bool = False
 
     def __post_init__(self):
@@ -184,8 +179,6 @@ class Sm90GemmConfig:
                              "max_width <= 32")
         if self.pingpong and self.consumer_pairs != 2:
             raise ValueError("Sm90GemmConfig.pingpong: only with consumer_pairs=2 (pairs to alternate parts between)")
-        if self.part_lookahead and not self.m_exact:
-            raise ValueError("Sm90GemmConfig.part_lookahead: only with m_exact (a work list to read ahead in)")
         if self.m_exact and not 0 < len(self.widths) <= SM90_MAX_BUILD_WIDTHS:
             raise ValueError(f"Sm90GemmConfig: widths {self.min_width}-{self.max_width} give {len(self.widths)} "
                              f"mainloops; a build takes 1 to {SM90_MAX_BUILD_WIDTHS}")
@@ -1609,24 +1602,21 @@ class Sm90BlockScaledGroupedGemmKernel:
     @cute.jit
     def prefetch_next_part(self, work: cute.Tensor, i, end, grid):
         """m_exact: the next part's work-list entry into L1, so that the next `tile_at` finds it there
-        (docs/HOPPER_NOTES.md v33); with part_lookahead also the one after it, which `prefetch_next_group`
-        reads when the next part starts."""
+        (docs/HOPPER_NOTES.md v33)."""
         if cutlass.const_expr(self.m_exact):
             prefetch_global_l1(self.next_part_entry(work, i, end, grid))
-            if cutlass.const_expr(self.config.part_lookahead):
-                prefetch_global_l1(self.next_part_entry(work, i + cutlass.Int32(i + 1 < end), end, grid))
 
     @cute.jit
     def prefetch_next_group(self, ptrs: cute.Tensor, sizes: cute.Tensor, work: cute.Tensor, descriptors, i, end,
                             grid, last_g):
-        """m_exact, the producer once part i's loads are issued (with part_lookahead: when part i starts): the
+        """m_exact, the producer once part i's loads are issued: the
         next part's group's size row and scale pointers into L1, the next loads of its chain (`group_sizes`, then
         `produce_tile`'s pointers) before its first TMA load; where that group is not `last_g` (the one whose
         descriptors this thread acquired last), its A and B descriptors acquired now and prefetched into the
         descriptor cache, so that its first TMA load does not fetch them. Its group comes from the entry
         `prefetch_next_part` brought in. What the producer would wait for between one part's last TMA load and the
-        next one's first (docs/HOPPER_NOTES.md v33, v39). Returns the group whose descriptors are acquired
-        (NOTES: acquiring the next group's early is sound: every row was written by the preparation kernel before
+        next one's first (docs/HOPPER_NOTES.md v33; done when part i starts instead, v39, it measured 2 % slower
+        on Qwen3). Returns the group whose descriptors are acquired (NOTES: acquiring the next group's early is sound: every row was written by the preparation kernel before
         this launch and is never rewritten, so the loads in flight on part i's row are untouched)."""
         if cutlass.const_expr(self.m_exact):
             g = cutlass.Int32(ld_global_u32(self.next_part_entry(work, i, end, grid), True))
@@ -1699,16 +1689,11 @@ class Sm90BlockScaledGroupedGemmKernel:
                 # flight on the previous group's row need no drain.
                 descriptors.acquire(g, (Sm90TensorMapSlot.A, Sm90TensorMapSlot.B))
                 last_g = g
-            if cutlass.const_expr(self.config.part_lookahead):
-                # part i + 1's group prepared a whole part ahead (its descriptors acquired beside part i's:
-                # both stay valid, `prefetch_next_group`'s NOTES)
-                last_g = self.prefetch_next_group(ptrs, sizes, work, descriptors, i, end, grid, last_g)
             for w in cutlass.range_constexpr(len(self.widths)):
                 if width_idx == w:
                     self.produce_tile(self.widths[w], chunk, ptrs, descriptors, g, m0, n_tile, k_size, k0, chunks,
                                       stage_pipe, a16_pipes[w], atoms, gmem_parts, smem_parts, sf_atom, smem)
-            if cutlass.const_expr(not self.config.part_lookahead):
-                last_g = self.prefetch_next_group(ptrs, sizes, work, descriptors, i, end, grid, last_g)
+            last_g = self.prefetch_next_group(ptrs, sizes, work, descriptors, i, end, grid, last_g)
             chunk = chunk + chunks
 
     @cute.jit

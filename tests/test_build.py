@@ -175,7 +175,7 @@ def build():
 
 # A lever under measurement (a Sm90GemmConfig switch, off in every variant, so the build test above does not build
 # it): its build on the decode build it is measured on, with the SASS checks every Hopper build has.
-@pytest.mark.parametrize("variant, lever", [("sm90_a16_narrow", "part_lookahead"), ("sm90_a16_pairs", "pingpong")])
+@pytest.mark.parametrize("variant, lever", [("sm90_a16_pairs", "pingpong")])
 def test_sm90a_lever_builds(tmp_path, variant, lever):
     sass = ev.count_sass(_sm90_build_sass(tmp_path, "Sm90BlockScaledGroupedGemmKernel", _SM90_LEVER_SCRIPT, variant,
                                           lever))

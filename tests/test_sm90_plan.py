@@ -360,8 +360,8 @@ def test_config_refuses_widths_no_build_can_take(fields, message):
         submission_sm90.Sm90GemmConfig(a16_prepass=True, m_exact=True, **fields)
     with pytest.raises(ValueError, match="only with m_exact"):
         submission_sm90.Sm90GemmConfig(min_width=16)
-    with pytest.raises(ValueError, match="part_lookahead: only with m_exact"):
-        submission_sm90.Sm90GemmConfig(part_lookahead=True)
+    with pytest.raises(ValueError, match="pingpong: only with consumer_pairs=2"):
+        submission_sm90.Sm90GemmConfig(a16_prepass=True, m_exact=True, pingpong=True)
 
 
 # ptxas launches a CTA of T threads at 65536 / T registers each (in steps of 8): the CTA's whole allocation.
