@@ -1609,15 +1609,15 @@ class Sm90BlockScaledGroupedGemmKernel:
     @cute.jit
     def prefetch_next_group(self, ptrs: cute.Tensor, sizes: cute.Tensor, work: cute.Tensor, descriptors, i, end,
                             grid, last_g):
-        """m_exact, the producer once part i's loads are issued: the
-        next part's group's size row and scale pointers into L1, the next loads of its chain (`group_sizes`, then
-        `produce_tile`'s pointers) before its first TMA load; where that group is not `last_g` (the one whose
-        descriptors this thread acquired last), its A and B descriptors acquired now and prefetched into the
-        descriptor cache, so that its first TMA load does not fetch them. Its group comes from the entry
-        `prefetch_next_part` brought in. What the producer would wait for between one part's last TMA load and the
-        next one's first (docs/HOPPER_NOTES.md v33; done when part i starts instead, v39, it measured 2 % slower
-        on Qwen3). Returns the group whose descriptors are acquired (NOTES: acquiring the next group's early is sound: every row was written by the preparation kernel before
-        this launch and is never rewritten, so the loads in flight on part i's row are untouched)."""
+        """m_exact, the producer once part i's loads are issued: the next part's group's size row and scale
+        pointers into L1, the next loads of its chain (`group_sizes`, then `produce_tile`'s pointers) before its
+        first TMA load; where that group is not `last_g` (the one whose descriptors this thread acquired last),
+        its A and B descriptors acquired now and prefetched into the descriptor cache, so that its first TMA load
+        does not fetch them. Its group comes from the entry `prefetch_next_part` brought in. What the producer
+        would wait for between one part's last TMA load and the next one's first (docs/HOPPER_NOTES.md v33; done
+        when part i starts instead, v39, it measured 2 % slower on Qwen3). Returns the group whose descriptors are
+        acquired (NOTES: acquiring the next group's early is sound: every row was written by the preparation
+        kernel before this launch and is never rewritten, so the loads in flight on part i's row are untouched)."""
         if cutlass.const_expr(self.m_exact):
             g = cutlass.Int32(ld_global_u32(self.next_part_entry(work, i, end, grid), True))
             for table, column in ((sizes, int(SizeColumn.K)), (ptrs, int(PtrColumn.SFA)), (ptrs, int(PtrColumn.SFB))):

@@ -5,6 +5,7 @@ Skipped unless a CUDA GPU of capability (9, 0) and nvidia-cutlass-dsl are presen
 """
 import collections
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -107,12 +108,29 @@ def _clone(data):
             [tuple(t.clone() for t in x) for x in sfs_r], list(sizes))
 
 
+# A launch that has not finished after this long is taken as hung (the slowest case here runs in milliseconds).
+HANG_SECONDS = 120
+
+
+def _finish_or_stop(config):
+    """Waits for the launches so far, polling: a kernel that hangs (a pipeline deadlock) stops the whole run with
+    a message naming the config, rather than blocking it for good (every later test would wait on the GPU too)."""
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + HANG_SECONDS
+    while not done.query():
+        if time.monotonic() > deadline:
+            pytest.exit(f"config {config}: a launch did not finish in {HANG_SECONDS} s (hung); the run stops here, "
+                        "as the GPU stays busy", returncode=3)
+        time.sleep(0.001)
+
+
 def _check(sm90, config, data):
     expect = _clone(data)
     for _, _, c in data[0]:
         c.fill_(float("nan"))
     out = _run(sm90, config, data)
-    torch.cuda.synchronize()
+    _finish_or_stop(config)
     for c in out:
         assert not torch.isnan(c).any(), "an output element was never written"
     ok, msg = reference.check_implementation(expect, out)
