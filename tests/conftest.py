@@ -25,6 +25,14 @@ TOL = {
 }
 
 
+# Hopper test configs that are a variant with one Sm90GemmConfig field changed: name -> (variant, field, value).
+# "two_launch": the A conversion as a launch of its own; "whole_tiles": planned without split-K; "pingpong": the
+# consumer pairs on alternate parts (a lever under measurement, docs/HOPPER_NOTES.md v41).
+SM90_CHANGED_CONFIGS = {"two_launch": ("sm90_a16_mexact", "a16_fused", False),
+                        "whole_tiles": ("sm90_a16_mexact", "split_k", False),
+                        "pingpong": ("sm90_a16_pairs", "pingpong", True)}
+
+
 def e2m1_value(code: int) -> float:
     """4-bit e2m1: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa; exponent 0 is subnormal."""
     sign = -1.0 if code & 0b1000 else 1.0

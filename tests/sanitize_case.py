@@ -1,10 +1,11 @@
 """The workload of tests/test_gpu_sanitizer.py, run under compute-sanitizer in its own process.
 
-`python tests/sanitize_case.py VARIANT [VARIANT ...]`: for each Hopper variant ("two_launch": sm90_a16_mexact
-with `Sm90GemmConfig.a16_fused=False`), three multi-group inputs (the case that first showed a racecheck
-hazard, one whose rings wrap many times with group changes in every CTA, and a MoE-like one of 256 groups,
-most of them empty), outputs poisoned with NaN, checked against the reference after the run. Exits 1 on a
-wrong result.
+`python tests/sanitize_case.py VARIANT [VARIANT ...]`: for each Hopper variant (or a variant with one config
+field changed, `SM90_CHANGED_CONFIGS` of tests/conftest.py: "two_launch", "pingpong"), three multi-group inputs
+(the case that first showed a racecheck hazard, one whose rings wrap many times with group changes in every
+CTA, and a MoE-like one of 256 groups, most of them empty), and for the consumer-pairs builds a fourth (several
+parts per CTA, each more chunks than the rings have stages: the pairs' turns); outputs poisoned with NaN,
+checked against the reference after the run. Exits 1 on a wrong result.
 """
 import dataclasses
 import sys
@@ -16,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import reference  # noqa: E402
 import submission  # noqa: E402
 import submission_sm90  # noqa: E402
+from conftest import SM90_CHANGED_CONFIGS  # noqa: E402
 
 MOE_GROUPS = 256
 
@@ -29,17 +31,21 @@ CASES = (
     dict(m=tuple(0 if e % 3 != 1 else 1 + (13 * e) % 40 for e in range(MOE_GROUPS)), n=(128,) * MOE_GROUPS,
          k=(256,) * MOE_GROUPS, g=MOE_GROUPS, seed=23),
 )
+# consumer pairs only: narrow experts of 12 chunks (more than the 8 stages), 160 parts, one or two per CTA
+PAIRS_CASE = dict(m=(8, 16, 24, 3, 30), n=(4096,) * 5, k=(1536,) * 5, g=5, seed=24)
 
 
 def main(variants) -> int:
     bad = 0
     for variant in variants:
-        if variant == "two_launch":  # sm90_a16_mexact with the A conversion as a launch of its own
-            submission_sm90.SM90_VARIANT_CONFIGS["two_launch"] = dataclasses.replace(
-                submission_sm90.SM90_VARIANT_CONFIGS["sm90_a16_mexact"], a16_fused=False)
-            submission_sm90.SM90_VARIANTS = (*submission_sm90.SM90_VARIANTS, "two_launch")
+        if variant in SM90_CHANGED_CONFIGS:  # a variant with one config field changed
+            base, field, value = SM90_CHANGED_CONFIGS[variant]
+            submission_sm90.SM90_VARIANT_CONFIGS[variant] = dataclasses.replace(
+                submission_sm90.SM90_VARIANT_CONFIGS[base], **{field: value})
+            submission_sm90.SM90_VARIANTS = (*submission_sm90.SM90_VARIANTS, variant)
         submission_sm90.set_sm90_variant(variant)
-        for case in CASES:
+        pairs = submission_sm90.SM90_VARIANT_CONFIGS[variant].consumer_pairs == 2
+        for case in CASES + ((PAIRS_CASE,) if pairs else ()):
             data = reference.generate_input(**case)
             abc, sfs, sfs_r, sizes = data
             expect = ([tuple(t.clone() for t in x) for x in abc], sfs, sfs_r, list(sizes))

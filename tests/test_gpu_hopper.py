@@ -17,7 +17,7 @@ try:
     import submission_sm90
 except ImportError:  # no nvidia-cutlass-dsl: every test here is skipped
     submission_sm90 = None
-from conftest import cuda_capability, load_task_yml
+from conftest import SM90_CHANGED_CONFIGS, cuda_capability, load_task_yml
 
 HOPPER = cuda_capability() == (9, 0)
 try:
@@ -36,10 +36,6 @@ pytestmark = [pytest.mark.gpu,
 # "pingpong": sm90_a16_pairs with its pairs on alternate parts (Sm90GemmConfig.pingpong, a lever under measurement).
 CONFIGS = ["auto", "sm90_tile128", "sm90_a16_mexact", "sm90_a16_mexact128", "sm90_a16_narrow", "sm90_a16_pairs",
            "two_launch", "whole_tiles", "pingpong"]
-# A CONFIGS entry that is a variant with one Sm90GemmConfig field changed: (variant, field, value)
-CHANGED_FIELD = {"two_launch": ("sm90_a16_mexact", "a16_fused", False),
-                 "whole_tiles": ("sm90_a16_mexact", "split_k", False),
-                 "pingpong": ("sm90_a16_pairs", "pingpong", True)}
 
 
 def _task_cases(section):
@@ -87,8 +83,8 @@ def sm90(request, monkeypatch):
     # sm90_auto keeps the build it chose per weight shape: each test chooses afresh, so that a forced choice
     # below is the one that runs (an earlier test's choice for the same shape would win otherwise).
     monkeypatch.setattr(submission_sm90.BACKEND, "_weight_shape_choices", collections.OrderedDict())
-    if config in CHANGED_FIELD:
-        variant, field, value = CHANGED_FIELD[config]
+    if config in SM90_CHANGED_CONFIGS:
+        variant, field, value = SM90_CHANGED_CONFIGS[config]
         forced = dataclasses.replace(submission_sm90.SM90_VARIANT_CONFIGS[variant], **{field: value})
         monkeypatch.setattr(submission_sm90, "choose_sm90_config", lambda sizes, num_sms: forced)
     elif config != "auto":

@@ -1,5 +1,6 @@
 """compute-sanitizer's racecheck, synccheck and memcheck on the Hopper kernel, multi-group inputs, every kept
-Hopper variant (tests/sanitize_case.py is the workload; each tool runs it on each variant in a process of its own).
+Hopper variant and the two-launch and pingpong forms (tests/sanitize_case.py is the workload; each tool runs it on
+each variant in a process of its own).
 
 Fails on any reported hazard or error, or on a wrong result. Skipped without an sm_90 GPU, the DSL, or
 compute-sanitizer. memcheck does not count host API errors (`--report-api-errors no`): DSL 4.8's own driver
@@ -41,7 +42,8 @@ def _variants():
         return []
     import submission_sm90
 
-    return [*submission_sm90.SM90_VARIANT_CONFIGS, "two_launch"]
+    # with the configs that change one field of a variant, but not "whole_tiles" (the kernel is sm90_a16_mexact's)
+    return [*submission_sm90.SM90_VARIANT_CONFIGS, "two_launch", "pingpong"]
 
 
 # One tool on one variant per test, so that a run can spread them over processes (`pytest -n`, or shards).

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from conftest import load_task_yml
+from conftest import SM90_CHANGED_CONFIGS, load_task_yml
 
 submission = pytest.importorskip("submission")
 submission_sm90 = pytest.importorskip("submission_sm90")
@@ -362,6 +362,17 @@ def test_config_refuses_widths_no_build_can_take(fields, message):
         submission_sm90.Sm90GemmConfig(min_width=16)
     with pytest.raises(ValueError, match="pingpong: only with consumer_pairs=2"):
         submission_sm90.Sm90GemmConfig(a16_prepass=True, m_exact=True, pingpong=True)
+
+
+@pytest.mark.parametrize("name", sorted(SM90_CHANGED_CONFIGS))
+def test_changed_configs_are_configs(name):
+    # the GPU tests' and the sanitizer's "variant with one field changed" configs name a variant, a field and a
+    # value that make a valid config other than the variant's own
+    variant, field, value = SM90_CHANGED_CONFIGS[name]
+    base = submission_sm90.SM90_VARIANT_CONFIGS[variant]
+    changed = dataclasses.replace(base, **{field: value})
+    assert getattr(base, field) != value and getattr(changed, field) == value
+    assert name not in submission_sm90.SM90_VARIANT_CONFIGS
 
 
 # ptxas launches a CTA of T threads at 65536 / T registers each (in steps of 8): the CTA's whole allocation.
