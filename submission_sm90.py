@@ -1834,10 +1834,10 @@ class Sm90BlockScaledGroupedGemmKernel:
             g, m0, width_idx, n_tile, _, chunks, is_split, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
             g = cute.arch.make_warp_uniform(g)
             # pingpong: this pair's parts are those of its parity (every role still counts every part's chunks)
-            mine = cutlass.Int32(1)
+            own_part = cutlass.Int32(1)
             if cutlass.const_expr(self.pingpong):
-                mine = cute.arch.make_warp_uniform(cutlass.Int32((i - begin) % 2 == pair))
-            if mine != 0:
+                own_part = cute.arch.make_warp_uniform(cutlass.Int32((i - begin) % 2 == pair))
+            if own_part != 0:
                 if g != last_g:
                     if w == 0:  # the warp that issues this warpgroup's TMA stores
                         descriptors.acquire(g, (Sm90TensorMapSlot.C,))

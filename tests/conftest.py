@@ -33,6 +33,16 @@ SM90_CHANGED_CONFIGS = {"two_launch": ("sm90_a16_mexact", "a16_fused", False),
                         "pingpong": ("sm90_a16_pairs", "pingpong", True)}
 
 
+def sm90_changed_config(name: str):
+    """The Sm90GemmConfig of SM90_CHANGED_CONFIGS entry `name` (imports the Hopper module: the DSL is needed)."""
+    import dataclasses
+
+    import submission_sm90
+
+    variant, field, value = SM90_CHANGED_CONFIGS[name]
+    return dataclasses.replace(submission_sm90.SM90_VARIANT_CONFIGS[variant], **{field: value})
+
+
 def e2m1_value(code: int) -> float:
     """4-bit e2m1: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa; exponent 0 is subnormal."""
     sign = -1.0 if code & 0b1000 else 1.0

@@ -7,7 +7,6 @@ CTA, and a MoE-like one of 256 groups, most of them empty), and for the consumer
 parts per CTA, each more chunks than the rings have stages: the pairs' turns); outputs poisoned with NaN,
 checked against the reference after the run. Exits 1 on a wrong result.
 """
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import reference  # noqa: E402
 import submission  # noqa: E402
 import submission_sm90  # noqa: E402
-from conftest import SM90_CHANGED_CONFIGS  # noqa: E402
+from conftest import SM90_CHANGED_CONFIGS, sm90_changed_config  # noqa: E402
 
 MOE_GROUPS = 256
 
@@ -39,9 +38,7 @@ def main(variants) -> int:
     bad = 0
     for variant in variants:
         if variant in SM90_CHANGED_CONFIGS:  # a variant with one config field changed
-            base, field, value = SM90_CHANGED_CONFIGS[variant]
-            submission_sm90.SM90_VARIANT_CONFIGS[variant] = dataclasses.replace(
-                submission_sm90.SM90_VARIANT_CONFIGS[base], **{field: value})
+            submission_sm90.SM90_VARIANT_CONFIGS[variant] = sm90_changed_config(variant)
             submission_sm90.SM90_VARIANTS = (*submission_sm90.SM90_VARIANTS, variant)
         submission_sm90.set_sm90_variant(variant)
         pairs = submission_sm90.SM90_VARIANT_CONFIGS[variant].consumer_pairs == 2

@@ -183,11 +183,11 @@ def test_sm90a_lever_builds(tmp_path, variant, lever):
     check_sm90_gemm_sass(sass, config, sass)
 
 
-# argv[2] a part of a variant with the A conversion as its own launch (so both parts exist)
+# argv[2] a part of the two-launch config (the A conversion as its own launch, so both parts exist)
 _SM90_BUILD_SCRIPT = _sm90_script("""
-import dataclasses
-configs = submission_sm90.SM90_VARIANT_CONFIGS
-config = dataclasses.replace(next(c for c in configs.values() if c.a16_prepass), a16_fused=False)
+sys.path.insert(0, sys.argv[1] + "/tests")
+from conftest import sm90_changed_config
+config = sm90_changed_config("two_launch")
 
 def build():
     submission.compiled_kernel(submission.compile_key(2, "sm_90a", config, sys.argv[2]))

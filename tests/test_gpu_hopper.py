@@ -4,7 +4,6 @@ reference.check_implementation, outputs poisoned with NaN first, in each tile va
 Skipped unless a CUDA GPU of capability (9, 0) and nvidia-cutlass-dsl are present.
 """
 import collections
-import dataclasses
 import time
 
 import pytest
@@ -17,7 +16,7 @@ try:
     import submission_sm90
 except ImportError:  # no nvidia-cutlass-dsl: every test here is skipped
     submission_sm90 = None
-from conftest import SM90_CHANGED_CONFIGS, cuda_capability, load_task_yml
+from conftest import SM90_CHANGED_CONFIGS, cuda_capability, load_task_yml, sm90_changed_config
 
 HOPPER = cuda_capability() == (9, 0)
 try:
@@ -84,8 +83,7 @@ def sm90(request, monkeypatch):
     # below is the one that runs (an earlier test's choice for the same shape would win otherwise).
     monkeypatch.setattr(submission_sm90.BACKEND, "_weight_shape_choices", collections.OrderedDict())
     if config in SM90_CHANGED_CONFIGS:
-        variant, field, value = SM90_CHANGED_CONFIGS[config]
-        forced = dataclasses.replace(submission_sm90.SM90_VARIANT_CONFIGS[variant], **{field: value})
+        forced = sm90_changed_config(config)
         monkeypatch.setattr(submission_sm90, "choose_sm90_config", lambda sizes, num_sms: forced)
     elif config != "auto":
         forced = submission_sm90.SM90_VARIANT_CONFIGS[config]

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from conftest import SM90_CHANGED_CONFIGS, load_task_yml
+from conftest import SM90_CHANGED_CONFIGS, load_task_yml, sm90_changed_config
 
 submission = pytest.importorskip("submission")
 submission_sm90 = pytest.importorskip("submission_sm90")
@@ -370,7 +370,7 @@ def test_changed_configs_are_configs(name):
     # value that make a valid config other than the variant's own
     variant, field, value = SM90_CHANGED_CONFIGS[name]
     base = submission_sm90.SM90_VARIANT_CONFIGS[variant]
-    changed = dataclasses.replace(base, **{field: value})
+    changed = sm90_changed_config(name)
     assert getattr(base, field) != value and getattr(changed, field) == value
     assert name not in submission_sm90.SM90_VARIANT_CONFIGS
 
