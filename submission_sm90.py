@@ -17,8 +17,8 @@ copies are the DSL's pipeline classes and TMA atoms, as on Blackwell; inline PTX
 conversions and hand-addressed shared memory. `sm90_tile128` uses 128-row tiles on the round-robin
 `GroupTileScheduler` and converts A in a transform warpgroup of every CTA. `sm90_a16_narrow` is the M-exact
 kernel built for tiles 16-128 rows wide, for MoE experts with tens of tokens each; `sm90_a16_pairs` is that
-kernel at widths 16-32 with two pairs of consumer warpgroups sharing each tile's chunks, which `sm90_auto`
-takes where the non-empty groups average at most `SM90_NARROW_MEAN_ROWS` rows.
+kernel at widths 16-32 with two pairs of consumer warpgroups taking alternate parts of the work list, which
+`sm90_auto` takes where the non-empty groups average at most `SM90_NARROW_MEAN_ROWS` rows.
 
 What this module shares with the B200 kernels, from submission.py: the host path (constraint check,
 pointer/size tables, launch-metadata and compile caches, the prepared-call fast path, the launch paths), the
@@ -139,19 +139,16 @@ class Sm90GemmConfig:
       SM90_WIDTHS from min_width to max_width (at most SM90_MAX_BUILD_WIDTHS). Below 32, the fp16 A loads and
       the C^T stores go as min_width-row TMA boxes (else 32).
     consumer_pairs: 1, or 2 (m_exact with widths up to 32 only: `sm90_a16_pairs`): two pairs of consumer warpgroups
-      per CTA, the pair p consuming the chunks of every tile whose index has parity p; at a tile's end pair 1
-      hands its fp32 accumulator to pair 0 through shared memory, which adds it and stores the tile. Twice the
-      consumer warps per SM for the same tiles and plan (the transform warpgroup, idle with the prepass, is
-      left out: 640 threads, consumers at 112 registers; docs/HOPPER_NOTES.md v29).
-    a16_buffers: fp16 A buffers (0: as many as fit beside the stages, at most 4); with consumer_pairs = 2 each
-      pair has about half of them ahead of its chunks (`sm90_a16_pairs` takes 8: 14 % faster than with 4).
+      per CTA, which take alternate parts of the CTA's work list (pair p the parts of parity p), each with its
+      own epilogue slabs, so that one pair's part start and end (first wait, drain, epilogue) overlap the other
+      pair's mainloop (docs/HOPPER_NOTES.md v41: 2 % faster on dsv3-down-256, 7 % on 2-chunk parts, than the
+      pairs taking alternate chunks of every part and joining their accumulators, v29). The transform
+      warpgroup, idle with the prepass, is left out: 640 threads, consumers at 112 registers.
+    a16_buffers: fp16 A buffers (0: as many as fit beside the stages, at most 4); `sm90_a16_pairs` takes 8
+      (14 % faster than 4 when its pairs split each part's chunks, v29b).
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
-    pingpong: consumer_pairs = 2 only, a lever under measurement (off in every variant; docs/HOPPER_NOTES.md v41):
-      the pairs take alternate parts of the CTA's work list (pair p the parts of parity p) instead of alternate
-      chunks of every part, each with its own epilogue slabs and barriers and no accumulator hand-over, so that
-      one pair's part start and end (first wait, drain, epilogue) overlap the other pair's mainloop.
     """
 
     num_stages: int = 0
@@ -164,7 +161,6 @@ class Sm90GemmConfig:
     split_k: bool = True
     consumer_pairs: int = 1
     a16_buffers: int = 0
-    pingpong: bool = False
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
@@ -177,8 +173,6 @@ class Sm90GemmConfig:
         if self.consumer_pairs not in (1, 2) or (self.consumer_pairs == 2 and not (self.m_exact and self.max_width <= 32)):
             raise ValueError(f"Sm90GemmConfig.consumer_pairs={self.consumer_pairs}: 1, or 2 with m_exact and "
                              "max_width <= 32")
-        if self.pingpong and self.consumer_pairs != 2:
-            raise ValueError("Sm90GemmConfig.pingpong: only with consumer_pairs=2 (pairs to alternate parts between)")
         if self.m_exact and not 0 < len(self.widths) <= SM90_MAX_BUILD_WIDTHS:
             raise ValueError(f"Sm90GemmConfig: widths {self.min_width}-{self.max_width} give {len(self.widths)} "
                              f"mainloops; a build takes 1 to {SM90_MAX_BUILD_WIDTHS}")
@@ -203,10 +197,10 @@ SM90_VARIANT_CONFIGS = {
     # widths 16-128: on the Qwen3 decode cases 4.5 % / 7.8 % faster than the wide builds, where 16-64 was 2 %
     # slower / 2 % faster (H100, docs/HOPPER_NOTES.md v36)
     "sm90_a16_narrow": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=128, min_width=16),
-    # sm90_auto's build for experts with a few rows each: twice the consumer warps per SM; 8 stages and 8 fp16
-    # A buffers, so that each pair has as many of its chunks in flight as the narrow build's consumers have with
-    # 4 (with 4 A buffers it measured 8-10 % slower than narrow on the DeepSeek-V3 decode cases, with 8 6-8 %
-    # faster: H100, docs/HOPPER_NOTES.md v29)
+    # sm90_auto's build for experts with a few rows each: twice the consumer warps per SM, the pairs on
+    # alternate parts; 8 stages and 8 fp16 A buffers (when the pairs split each part's chunks, with 4 A buffers it
+    # measured 8-10 % slower than narrow on the DeepSeek-V3 decode cases, with 8 6-8 % faster; the pairs on
+    # alternate parts then 2 % faster on dsv3-down-256: H100, docs/HOPPER_NOTES.md v29, v41)
     "sm90_a16_pairs": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=32, min_width=16, consumer_pairs=2,
                                      num_stages=8, a16_buffers=8),
 }
@@ -793,7 +787,6 @@ class Sm90SharedAddresses:
     sf: object
     a16: object
     c: object
-    x: object  # consumer_pairs = 2: pair 1's accumulators handed to pair 0, one slab per consumer warpgroup
 
 
 @dsl_user_op
@@ -825,31 +818,6 @@ def ld_shared_v4(addr, *, loc=None, ip=None):
 def st_shared_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
     _store_v4("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", _i32(addr, loc, ip),
               [_u32(v, loc, ip) for v in (v0, v1, v2, v3)], "r", "r", loc, ip)
-
-
-def _store_f32x4(space: str, addr, values, loc, ip) -> None:
-    """st.`space`.v4.f32 of four floats; `addr` a 32-bit shared or a 64-bit global address."""
-    shared = space == "shared"
-    _store_v4(f"st.{space}.v4.f32 [$0], {{$1, $2, $3, $4}};", (_i32 if shared else _i64)(addr, loc, ip),
-              [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values], "f", "r" if shared else "l", loc, ip)
-
-
-def _load_f32x4(space: str, addr, loc, ip) -> list:
-    """ld.`space`.v4.f32 of four floats (`space`: "shared", or "global.cg"), never hoisted or merged."""
-    shared = space == "shared"
-    values = _load_v4(f"ld.{space}.v4.f32 {{$0, $1, $2, $3}}, [$4];", (_i32 if shared else _i64)(addr, loc, ip),
-                      T.f32(), "f", "r" if shared else "l", True, loc, ip)
-    return [cutlass.Float32(v) for v in values]
-
-
-@dsl_user_op
-def st_shared_v4_f32(addr, v0, v1, v2, v3, *, loc=None, ip=None):
-    _store_f32x4("shared", addr, (v0, v1, v2, v3), loc, ip)
-
-
-@dsl_user_op
-def ld_shared_v4_f32(addr, *, loc=None, ip=None):
-    return _load_f32x4("shared", addr, loc, ip)
 
 
 @dsl_user_op
@@ -960,13 +928,17 @@ def ld_global_v4(addr, fresh: bool = False, *, loc=None, ip=None):
 
 @dsl_user_op
 def st_global_v4_f32(addr, v0, v1, v2, v3, *, loc=None, ip=None):
-    _store_f32x4("global", addr, (v0, v1, v2, v3), loc, ip)
+    _store_v4("st.global.v4.f32 [$0], {$1, $2, $3, $4};", _i64(addr, loc, ip),
+              [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)], "f", "l", loc, ip)
 
 
 @dsl_user_op
 def ld_global_cg_v4_f32(addr, *, loc=None, ip=None):
-    """Four floats written by other CTAs of this grid (after `sm90_split_arrive`): cached in L2 only."""
-    return _load_f32x4("global.cg", addr, loc, ip)
+    """Four floats written by other CTAs of this grid (after `sm90_split_arrive`): cached in L2 only; never hoisted
+    or merged."""
+    values = _load_v4("ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", _i64(addr, loc, ip), T.f32(), "f", "l", True,
+                      loc, ip)
+    return [cutlass.Float32(v) for v in values]
 
 
 @dsl_user_op
@@ -1196,12 +1168,11 @@ class Sm90BlockScaledGroupedGemmKernel:
     producer 24, no transform warpgroup, four consumer warpgroups at 112).
     Shared memory: 4 stages (18 KB; prepass 9 KB) + fp16 A buffers of tile_m x 128 k (32 KB; m_exact up to
     192 rows 48 KB), as many as fit up to 4 (`num_a16`: 3 without the prepass or at 192 rows, else 4), or
-    `Sm90GemmConfig.a16_buffers` of them (`sm90_a16_pairs`: 8 stages and 8 buffers of 8 KB, beside pair 1's
-    fp32 hand-over slabs)
-    + 2 x 16 KB epilogue: ~205 KB without the prepass, 213 / 196 KB for m_exact up to 192 / 128 rows.
-    Named barriers: EPILOGUE_BARRIER + epilogue slab (128 threads each: a slab per consumer warpgroup that stores,
-    four with pingpong); consumer_pairs = 2 without pingpong also EXCHANGE_BARRIER + 0..3 (`join_pairs`, 256
-    threads each); with pingpong ORDER_BARRIER + pair (512 threads each: the pairs' turns, `consume_tile`).
+    `Sm90GemmConfig.a16_buffers` of them (`sm90_a16_pairs`: 8 stages and 8 buffers of 8 KB)
+    + 2 x 16 KB epilogue (consumer_pairs = 2: 4 x 16 KB): ~205 KB without the prepass, 213 / 196 KB for m_exact up
+    to 192 / 128 rows.
+    Named barriers: EPILOGUE_BARRIER + epilogue slab (128 threads each: a slab per consumer warpgroup);
+    consumer_pairs = 2 also ORDER_BARRIER + pair (512 threads each: the pairs' turns, `consume_tile`).
     Pipelines (the DSL's classes, as the Blackwell kernels use): the stage ring is a `PipelineTmaAsync`
     (producer TMA and bulk copies -> consumer warps, and the transform warps that read A from it); the fp16 A
     ring a `PipelineTmaAsync` with the prepass (its byte count per tile width, `with_tx_count`), else a
@@ -1222,12 +1193,9 @@ class Sm90BlockScaledGroupedGemmKernel:
     slot order and runs the epilogue; the others skip it.
     """
 
-    EPILOGUE_BARRIER = 2
-    # consumer_pairs = 2: + consumer warpgroup (0, 1): pair 1's accumulator is in its slab ("full"); + 2 +
-    # warpgroup: pair 0 has read it ("free"); 256 threads each (the two warpgroups of the same rows)
-    EXCHANGE_BARRIER = 4
-    # pingpong: + pair p: pair p has passed its part's chunks, the other pair's turn at the rings (`consume_tile`);
-    # 512 threads each (pair p arrives, the other pair waits)
+    EPILOGUE_BARRIER = 2  # + epilogue slab (0 .. 3)
+    # consumer_pairs = 2: + pair p: pair p has passed its part's chunks, the other pair's turn at the rings
+    # (`consume_tile`); 512 threads each (pair p arrives, the other pair waits)
     ORDER_BARRIER = 6
     SLOT_ROWS = 128  # rows of B in a split-K partial slot (the tile's)
 
@@ -1270,16 +1238,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         # retire, so the deeper ring loads A further ahead (measured: 4 instead of 3 buffers, 5 % / 3 % faster on
         # bench2 / bench3; 8 instead of 4 for the consumer pairs, 14 %).
         self.pairs = config.consumer_pairs
-        # pingpong: each pair consumes whole parts (consecutive chunks), else the pairs alternate chunks
-        self.pingpong = config.pingpong
-        self.chunk_step = 1 if self.pingpong else self.pairs
-        # consumer_pairs = 2 without pingpong: pair 1's fp32 accumulator, [v4 j][thread] of 16 bytes, per consumer
-        # warpgroup
-        self.x_bytes = 64 * self.tile_m * 4 if self.pairs == 2 and not self.pingpong else 0
-        # epilogue slabs: one per consumer warpgroup that stores tiles (both pairs' with pingpong)
-        self.c_slabs = 2 * self.pairs if self.pingpong else 2
-        free = (DYNAMIC_SMEM_BUDGET - self.SMEM_SLACK - self.num_stages * self.stage_bytes - self.c_slabs * self.C_BYTES
-                - 2 * self.x_bytes)
+        self.c_slabs = 2 * self.pairs  # epilogue slabs: one per consumer warpgroup
+        free = DYNAMIC_SMEM_BUDGET - self.SMEM_SLACK - self.num_stages * self.stage_bytes - self.c_slabs * self.C_BYTES
         self.num_a16 = config.a16_buffers or min(4, free // self.a16_bytes)
         if self.num_a16 * self.a16_bytes > free or self.num_a16 < max(2, self.pairs):
             raise ValueError(f"Sm90GemmConfig.a16_buffers={config.a16_buffers}: {max(2, self.pairs)} to "
@@ -1457,7 +1417,6 @@ class Sm90BlockScaledGroupedGemmKernel:
             sSF: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.num_stages * self.sf_stage_bytes], 128]
             a16: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.num_a16 * self.a16_bytes // 2], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.c_slabs * self.C_BYTES // 2], 1024]
-            sX: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, max(2 * self.x_bytes // 4, 4)], 128]
 
         self.shared_storage = SharedStorage
 
@@ -1555,7 +1514,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         sA16 = [storage.a16.get_tensor(self.a16_outer(w, self.num_a16), swizzle=swizzle) for w in self.widths]
         smem = Sm90SharedAddresses(storage.sB.data_ptr().toint(), storage.sA.data_ptr().toint(),
                                    storage.sSF.data_ptr().toint(), storage.a16.data_ptr().toint(),
-                                   storage.sC.data_ptr().toint(), storage.sX.data_ptr().toint())
+                                   storage.sC.data_ptr().toint())
 
         descriptors = TmaDescriptorRows(True, tensormaps, bid)
 
@@ -1813,7 +1772,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         c_store = pipeline.PipelineTmaStore.create(
             num_stages=1, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32))
         # this warpgroup's epilogue slab and barrier (a runtime id: a NamedBarrier object wants a compile-time one)
-        slab = wg + 2 * pair if cutlass.const_expr(self.pingpong) else wg
+        slab = wg + 2 * pair
         epilogue_barrier = self.EPILOGUE_BARRIER + slab
 
         # Per-thread constants, kept to a few registers: every other offset is base + compile-time constant.
@@ -1833,9 +1792,10 @@ class Sm90BlockScaledGroupedGemmKernel:
         for i in range(begin, end):
             g, m0, width_idx, n_tile, _, chunks, is_split, walk = self.tile_at(i, work, scheduler, walk, bid, grid)
             g = cute.arch.make_warp_uniform(g)
-            # pingpong: this pair's parts are those of its parity (every role still counts every part's chunks)
+            # consumer_pairs = 2: this pair's parts are those of its parity (every role still counts every
+            # part's chunks)
             own_part = cutlass.Int32(1)
-            if cutlass.const_expr(self.pingpong):
+            if cutlass.const_expr(self.pairs == 2):
                 own_part = cute.arch.make_warp_uniform(cutlass.Int32((i - begin) % 2 == pair))
             if own_part != 0:
                 if g != last_g:
@@ -1861,9 +1821,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         a split tile then meets the others' (`split_fixup`); the epilogue, where the tile is complete (fp16
         slabs of at most 128 m x 64 n, TMA-stored as box_rows-row boxes of C^T).
         epilogue: (this warpgroup's epilogue slab, its named barrier).
-        team: (pair, 1 if the CTA had a tile before this one, 1 if it has one after): with consumer_pairs = 2
-        pair p takes the chunks c = p, p + 2, ... and pair 1's accumulator joins pair 0's (`join_pairs`), which
-        alone goes on to split-K and the epilogue; with pingpong a pair takes every chunk of its parts."""
+        team: (pair, 1 if the CTA had a part before this one, 1 if it has one after): with consumer_pairs = 2
+        the pairs take turns at the rings (below)."""
         thr_mma = tiled_mma.get_slice(tid)
         # (MMA, MMA_N, MMA_K, A16 buffer)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sA16))
@@ -1872,8 +1831,6 @@ class Sm90BlockScaledGroupedGemmKernel:
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         acc.fill(0.0)
         pair = team[0] if cutlass.const_expr(self.pairs == 2) else 0
-        first_chunk = 0 if cutlass.const_expr(self.pingpong) else pair  # the first of this warpgroup's chunks
-        step = self.chunk_step
         # consume_chunk's arguments after (ring count, first), the same for every chunk of the part (NOTES: a
         # tuple, not a closure: the DSL refuses a nested function that captures values across its loops)
         rest = (self.num_a16 + pair, frags, acc, tCrB, tiled_mma, stage_pipe, a16_pipe, smem, b_off, sfb_off)
@@ -1883,8 +1840,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         # between wgmma groups makes ptxas wait for every wgmma group (WARPGROUP.DEPBAR 0 instead of 1 in the
         # SASS): the MMAs serialize. The odd chunk's `if` comes after the loop's last wgmma group, and the SASS
         # keeps every wait pipelined (tests/test_build.py counts the loop bodies and WARPGROUP.DEPBAR 1).
-        mine = (num_chunks - first_chunk + step - 1) // step  # this pair's chunks
-        if cutlass.const_expr(self.pingpong):
+        if cutlass.const_expr(self.pairs == 2):
             # NOTES: the pairs take turns at the rings. A ring wait is a phase-parity test, which cannot tell
             # a chunk from the one a lap (num_stages chunks) earlier: a pair that waited for its part's first
             # chunk while the other pair still had more than a lap of its own part to go would pass at once,
@@ -1895,51 +1851,18 @@ class Sm90BlockScaledGroupedGemmKernel:
             # the other pair's wait there, and complete it with its own two halves (measured: a hang).
             if team[1] != 0:
                 cute.arch.barrier(barrier_id=self.ORDER_BARRIER + 1 - pair, number_of_threads=512)
-        for j in range(mine // 2):
-            self.consume_chunk(chunk + first_chunk + 2 * step * j, cutlass.Int32(j == 0), *rest)
-            self.consume_chunk(chunk + first_chunk + 2 * step * j + step, cutlass.Int32(0), *rest)
-        if mine % 2 == 1:
-            self.consume_chunk(chunk + first_chunk + step * (mine - 1), cutlass.Int32(mine == 1), *rest)
-        if cutlass.const_expr(self.pingpong):
+        for j in range(num_chunks // 2):
+            self.consume_chunk(chunk + 2 * j, cutlass.Int32(j == 0), *rest)
+            self.consume_chunk(chunk + 2 * j + 1, cutlass.Int32(0), *rest)
+        if num_chunks % 2 == 1:
+            self.consume_chunk(chunk + (num_chunks - 1), cutlass.Int32(num_chunks == 1), *rest)
+        if cutlass.const_expr(self.pairs == 2):
             if team[2] != 0:  # the other pair's turn: it has the next part
                 cute.arch.barrier_arrive(barrier_id=self.ORDER_BARRIER + pair, number_of_threads=512)
         warpgroup.wait_group(0)
-        if cutlass.const_expr(self.chunk_step == 1):
-            a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
-            self.finish_tile(width, acc, is_split, i, grid, work, descriptors, desc_c, m0, n_tile, wg, w, tid, tma_c,
-                             tCsC, tCgC, c_store, epilogue, smem)
-        else:
-            if pair < num_chunks:  # the fp16 A buffer of this pair's last chunk
-                a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1 - (num_chunks - 1 - pair) % 2,
-                                                     self.num_a16))
-            self.join_pairs(width, acc, team, wg, tid, smem)
-            if pair == 0:
-                self.finish_tile(width, acc, is_split, i, grid, work, descriptors, desc_c, m0, n_tile, wg, w, tid,
-                                 tma_c, tCsC, tCgC, c_store, epilogue, smem)
-
-    @cute.jit
-    def join_pairs(self, width: int, acc, team, wg, tid, smem):
-        """consumer_pairs = 2: pair 1 hands its accumulator to pair 0 through its warpgroup's slab (16 bytes per
-        thread and v4 j: each access of a warpgroup is 2 KB in a row); pair 0 adds it. Pair 1 waits until pair 0
-        has read the slab of the CTA's previous tile; pair 0 signals that only where another tile follows."""
-        pair, has_prev, has_next = team
-        slab = smem.x + wg * self.x_bytes + tid * 16
-        full = self.EXCHANGE_BARRIER + wg
-        free = self.EXCHANGE_BARRIER + 2 + wg
-        if pair == 1:
-            if has_prev != 0:
-                cute.arch.barrier(barrier_id=free, number_of_threads=256)
-            for j in cutlass.range_constexpr(width // 8):
-                st_shared_v4_f32(slab + 2048 * j, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
-            cute.arch.barrier_arrive(barrier_id=full, number_of_threads=256)
-        else:
-            cute.arch.barrier(barrier_id=full, number_of_threads=256)
-            for j in cutlass.range_constexpr(width // 8):
-                v = ld_shared_v4_f32(slab + 2048 * j)
-                for e in cutlass.range_constexpr(4):
-                    acc[4 * j + e] = acc[4 * j + e] + v[e]
-            if has_next != 0:
-                cute.arch.barrier_arrive(barrier_id=free, number_of_threads=256)
+        a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
+        self.finish_tile(width, acc, is_split, i, grid, work, descriptors, desc_c, m0, n_tile, wg, w, tid, tma_c, tCsC,
+                         tCgC, c_store, epilogue, smem)
 
     @cute.jit
     def finish_tile(self, width: int, acc, is_split, i, grid, work, descriptors, desc_c, m0, n_tile, wg, w, tid,
@@ -2048,9 +1971,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         # The previous chunk's fp16 A buffer, released at t == 1 below once its wgmmas have retired. A tile's
         # first chunk releases its pair's spare barrier after the ring instead (`spare`: index num_a16 + pair):
         # the tile before released its last buffer after its final wait; a select, not a branch (see
-        # consume_tile's NOTES). The buffer of this pair's previous chunk: chunk - 1 (chunk - 2 with
-        # consumer_pairs = 2 but not pingpong: `chunk_step`).
-        prev_index = ring_state(chunk + self.num_a16 - self.chunk_step, self.num_a16).index
+        # consume_tile's NOTES).
+        prev_index = ring_state(chunk + (self.num_a16 - 1), self.num_a16).index
         prev_state = pipeline.PipelineState(self.num_a16, chunk, first * spare + (1 - first) * prev_index, 0)
 
         # -- per quarter (32 k = word t of each row): dequantize into the register fragment and issue

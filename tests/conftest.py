@@ -26,11 +26,9 @@ TOL = {
 
 
 # Hopper test configs that are a variant with one Sm90GemmConfig field changed: name -> (variant, field, value).
-# "two_launch": the A conversion as a launch of its own; "whole_tiles": planned without split-K; "pingpong": the
-# consumer pairs on alternate parts (a lever under measurement, docs/HOPPER_NOTES.md v41).
+# "two_launch": the A conversion as a launch of its own; "whole_tiles": planned without split-K.
 SM90_CHANGED_CONFIGS = {"two_launch": ("sm90_a16_mexact", "a16_fused", False),
-                        "whole_tiles": ("sm90_a16_mexact", "split_k", False),
-                        "pingpong": ("sm90_a16_pairs", "pingpong", True)}
+                        "whole_tiles": ("sm90_a16_mexact", "split_k", False)}
 
 
 def sm90_changed_config(name: str):

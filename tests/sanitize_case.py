@@ -1,7 +1,7 @@
 """The workload of tests/test_gpu_sanitizer.py, run under compute-sanitizer in its own process.
 
 `python tests/sanitize_case.py VARIANT [VARIANT ...]`: for each Hopper variant (or a variant with one config
-field changed, `SM90_CHANGED_CONFIGS` of tests/conftest.py: "two_launch", "pingpong"), three multi-group inputs
+field changed, `SM90_CHANGED_CONFIGS` of tests/conftest.py: "two_launch"), three multi-group inputs
 (the case that first showed a racecheck hazard, one whose rings wrap many times with group changes in every
 CTA, and a MoE-like one of 256 groups, most of them empty), and for the consumer-pairs builds a fourth (several
 parts per CTA, each more chunks than the rings have stages: the pairs' turns); outputs poisoned with NaN,

@@ -1,5 +1,4 @@
 """The kernels build for their GPUs on a machine without one (`eval.py compile`), and their SASS is sane."""
-import dataclasses
 import importlib.util
 import json
 import os
@@ -165,24 +164,6 @@ def _sm90_script(body: str) -> str:
     return _SM90_SCRIPT_FRAME.replace("BUILD_BODY", body)
 
 
-# argv[2] a variant, argv[3] a Sm90GemmConfig switch turned on over it
-_SM90_LEVER_SCRIPT = _sm90_script("""
-def build():
-    submission_sm90.set_sm90_overrides(**{sys.argv[3]: True})
-    submission.compile_for(8, "sm_90a", sys.argv[2])
-""")
-
-
-# A lever under measurement (a Sm90GemmConfig switch, off in every variant, so the build test above does not build
-# it): its build on the decode build it is measured on, with the SASS checks every Hopper build has.
-@pytest.mark.parametrize("variant, lever", [("sm90_a16_pairs", "pingpong")])
-def test_sm90a_lever_builds(tmp_path, variant, lever):
-    sass = ev.count_sass(_sm90_build_sass(tmp_path, "Sm90BlockScaledGroupedGemmKernel", _SM90_LEVER_SCRIPT, variant,
-                                          lever))
-    config = dataclasses.replace(submission_sm90.SM90_VARIANT_CONFIGS[variant], **{lever: True})
-    check_sm90_gemm_sass(sass, config, sass)
-
-
 # argv[2] a part of the two-launch config (the A conversion as its own launch, so both parts exist)
 _SM90_BUILD_SCRIPT = _sm90_script("""
 sys.path.insert(0, sys.argv[1] + "/tests")
@@ -195,8 +176,8 @@ def build():
 
 
 def _sm90_build_sass(tmp_path, name: str, script: str, *args: str) -> str:
-    """The SASS of kernel `name`, built for sm_90a by `script` (`_SM90_BUILD_SCRIPT`: a part; `_SM90_LEVER_SCRIPT`:
-    a variant and a lever) in a process of its own (DSL 4.3.x without a driver stops after its first build)."""
+    """The SASS of kernel `name`, built for sm_90a by `script` (`_SM90_BUILD_SCRIPT`: a part) in a process of its
+    own (DSL 4.3.x without a driver stops after its first build)."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP_CUBIN="1",
                CUTE_DSL_KEEP="cubin", CUTE_DSL_DISABLE_FILE_CACHING="1")
     proc = subprocess.run([sys.executable, "-c", script, str(ROOT), *args], env=env,

@@ -32,9 +32,8 @@ pytestmark = [pytest.mark.gpu,
 # sm90_a16_* ones convert A to fp16 once per call, as the GEMM launch's first phase); "two_launch":
 # sm90_a16_mexact with that conversion as a launch of its own (Sm90GemmConfig.a16_fused=False); "whole_tiles":
 # sm90_a16_mexact planned without split-K (Sm90GemmConfig.split_k=False: no tile's K split across CTAs);
-# "pingpong": sm90_a16_pairs with its pairs on alternate parts (Sm90GemmConfig.pingpong, a lever under measurement).
 CONFIGS = ["auto", "sm90_tile128", "sm90_a16_mexact", "sm90_a16_mexact128", "sm90_a16_narrow", "sm90_a16_pairs",
-           "two_launch", "whole_tiles", "pingpong"]
+           "two_launch", "whole_tiles"]
 
 
 def _task_cases(section):
@@ -64,7 +63,7 @@ EDGE_CASES = {
     "empty_groups": dict(m=[0, 40, 0, 200, 1, 0], n=[256, 512, 128, 256, 384, 128], k=[512, 256, 768, 512, 256, 256],
                          g=6, seed=15),
     # narrow experts of long K, two to three parts per CTA: each part many more 128-k chunks than any ring has
-    # stages (the consumer pairs' turns at the rings with pingpong)
+    # stages (the consumer pairs' turns at the rings)
     "long_parts": dict(m=[8, 16, 24, 32, 5, 12, 20, 30, 1, 17], n=[4096] * 10, k=[2048] * 8 + [7168] * 2, g=10,
                        seed=17),
     # split-K: few tiles of long K, so the plan splits them across up to SM90_MAX_PARTS CTAs each
