@@ -317,8 +317,10 @@ class MoeRow:
     error: Optional[str] = None  # why the case stopped
 
 
-# Clock cycles of device work queued before each re-routed call (torch.cuda._sleep): ~20 ms at 1.98 GHz.
-BUSY_CYCLES = 40_000_000
+# Clock cycles of device work queued before each re-routed call (torch.cuda._sleep): ~100 ms at 1.98 GHz, several
+# times a re-routed call's host time, so a call that waited for the device takes at least that long (with ~20 ms
+# a 20-30 ms call could not be told from a wait).
+BUSY_CYCLES = 200_000_000
 
 
 class DeviceWaitProbe:
@@ -485,9 +487,10 @@ def notes_lines(gpu: str, submission, calls: int, patterns: int) -> list:
         f"cache carries over from earlier cases) / on {patterns} later calls with tokens routed anew over the "
         "same weights (their counts of empty experts in parentheses)." if counted else
         "Compiles: n/a (submission has no _compiled_kernels cache to read).",
-        "Re-routed call host ms: CPU time of custom_kernel on a new routing (a new problem shape: constraint "
-        "check, plan, tables and work list, launches), issued while the GPU still runs about 20 ms of queued work, "
-        "so a call that waited for the device would show that wait; the median over the re-routed calls.",
+        "Re-routed call host ms: wall time of a custom_kernel call on a new routing (a new problem shape: "
+        "constraint check, plan, tables and work list, launches), issued while the GPU still runs about "
+        f"{BUSY_CYCLES / 1.98e6:.0f} ms of queued work, so a call that waited for the device would take at least "
+        "that long; the median over the re-routed calls.",
         "Check: every output element of the first and the re-routed calls (outputs NaN-poisoned) against a float64 "
         "decode: |out - exact| <= 1e-3 + 1e-3 |exact| + 2^-24 sqrt(K) sum|a b|; the worst ratio shown, above 1 "
         "fails.",
