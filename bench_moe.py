@@ -321,6 +321,7 @@ class MoeRow:
 # times a re-routed call's host time, so a call that waited for the device takes at least that long (with ~20 ms
 # a 20-30 ms call could not be told from a wait).
 BUSY_CYCLES = 200_000_000
+BUSY_MS = BUSY_CYCLES / 1.98e6
 
 
 class DeviceWaitProbe:
@@ -345,7 +346,7 @@ class DeviceWaitProbe:
         if not self.queued.query():
             return None
         allocs, retries = (after - before for after, before in zip(self._stats(), self.stats))
-        return (f"{what}: {host_ms:.1f} ms on the host, and the ~{BUSY_CYCLES / 1.98e6:.0f} ms of device work queued "
+        return (f"{what}: {host_ms:.1f} ms on the host, and the ~{BUSY_MS:.0f} ms of device work queued "
                 f"before it had finished by its end; in the call {allocs} device allocations (cudaMalloc) and "
                 f"{retries} allocator retries (a retry frees the cache, which waits for the device)")
 
@@ -489,7 +490,7 @@ def notes_lines(gpu: str, submission, calls: int, patterns: int) -> list:
         "Compiles: n/a (submission has no _compiled_kernels cache to read).",
         "Re-routed call host ms: wall time of a custom_kernel call on a new routing (a new problem shape: "
         "constraint check, plan, tables and work list, launches), issued while the GPU still runs about "
-        f"{BUSY_CYCLES / 1.98e6:.0f} ms of queued work, so a call that waited for the device would take at least "
+        f"{BUSY_MS:.0f} ms of queued work, so a call that waited for the device would take at least "
         "that long; the median over the re-routed calls.",
         "Check: every output element of the first and the re-routed calls (outputs NaN-poisoned) against a float64 "
         "decode: |out - exact| <= 1e-3 + 1e-3 |exact| + 2^-24 sqrt(K) sum|a b|; the worst ratio shown, above 1 "

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.gpu,
 # "auto": the tile custom_kernel picks by itself; the others force one entry of SM90_VARIANT_CONFIGS (the
 # sm90_a16_* ones convert A to fp16 once per call, as the GEMM launch's first phase); "two_launch":
 # sm90_a16_mexact with that conversion as a launch of its own (Sm90GemmConfig.a16_fused=False); "whole_tiles":
-# sm90_a16_mexact planned without split-K (Sm90GemmConfig.split_k=False: no tile's K split across CTAs);
+# sm90_a16_mexact planned without split-K (Sm90GemmConfig.split_k=False: no tile's K split across CTAs).
 CONFIGS = ["auto", "sm90_tile128", "sm90_a16_mexact", "sm90_a16_mexact128", "sm90_a16_narrow", "sm90_a16_pairs",
            "two_launch", "whole_tiles"]
 
