@@ -12,9 +12,9 @@ bringup (needs a B200, or an H100/H200 for the Hopper tiles):
    programmatic dependent launch);
 2. builds and checks every kernel variant (B200: submission.KERNEL_VARIANTS, "persistent" choosing its tile
    per problem, the persistent_n* variants forcing one tile row; Hopper: submission_sm90.SM90_VARIANTS), in
-   parallel worker processes (--jobs, by default one per core within the build units and the available
-   memory): each variant's kernels, one build unit per group count its cases and benchmarks need, are split
-   over shards; a shard's worker first builds its units' kernels (compiled, not launched:
+   parallel worker processes (--jobs, by default one per core within the build units and the available host
+   and GPU memory): each variant's kernels, one build unit per group count its cases and benchmarks need,
+   are split over shards; a shard's worker first builds its units' kernels (compiled, not launched:
    submission.build_kernels), then runs the task.yml tests and the edge cases of EDGE_CASES (plus groups
    with M = 0 where can_implement accepts them) with those group counts: each case called twice (a fresh
    input, then the same input objects again: the prepared-call path), the output poisoned with NaN before
@@ -25,11 +25,14 @@ bringup (needs a B200, or an H100/H200 for the Hopper tiles):
    to back, in several batches on the same inputs, outputs NaN-poisoned before each batch; and on a B200 the
    TMA descriptors of one call of the skewed case read back from the launch's workspace, bit 85 reported
    per group and operand (job_descriptors: the kernels clear it; a set bit fails the variant);
-3. times the task.yml benchmarks of every variant that failed no check, one at a time on the otherwise idle
-   GPU, each in the worker that built its kernels, with eval.py's benchmark method (the runner's: CUDA
-   events around 15 calls on 15 inputs, L2 flushed before each batch); `--quick` caps each benchmark at
-   QUICK_MAX_REPEATS repeats. On a B200 the tile model's time (submission.sm100_predicted_us) stands beside
-   each benchmark of a persistent variant, in the table and the JSON ("predicted_us");
+3. times the task.yml benchmarks of every variant that failed no check, once every build and test worker
+   has exited: one variant at a time, each in a fresh worker of its own (closed, with its inputs and its L2
+   flush tensor, before the next variant's starts), which builds the benchmarks' kernels and then runs
+   eval.py benchmark's method with its limits, harness._run_single_benchmark itself (the runner's: a warm-up
+   on the first benchmark, then CUDA events around 15 calls on 15 inputs, L2 flushed before each batch), so
+   that its numbers are eval.py benchmark's on the same GPU (`--quick` changes no timing). On a B200 the tile
+   model's time (submission.sm100_predicted_us) stands beside each benchmark of a persistent variant, in the
+   table and the JSON ("predicted_us");
 4. with --sanitizer, runs the runner's pattern on every benchmark again under compute-sanitizer memcheck,
    once with programmatic dependent launch and once without (NVFP4_PDL), each in a fresh process
    (run_sanitizer; skipped with a note where compute-sanitizer is not installed); an error fails the variant;
@@ -40,9 +43,12 @@ Every worker process runs one variant, selected through the environment before i
 (NVFP4_KERNEL_VARIANT; NVFP4_SM90_VARIANT on Hopper). Every call into a worker
 has a timeout; a worker that crashes, hangs or leaves the CUDA context unusable is killed, the case recorded
 as CRASH / TIMEOUT / ERROR with the first line of the error, and a fresh worker takes the next case (it
-compiles what it needs as it goes; a variant is abandoned after MAX_WORKER_LOSSES lost workers). The
-workers' own output goes to one log file per shard (their directory is named in the report). Exit status:
-0 with a recommendation, 1 without one, 2 when it cannot run (no usable GPU, a GPU without a kernel here, a
+compiles what it needs as it goes; a variant is abandoned after MAX_WORKER_LOSSES lost workers). A job that
+ran out of memory (GPU or host) beside the other workers is no verdict on the variant: it runs again alone
+once they have exited, and that outcome counts. Each job gives back the GPU memory it left (its inputs,
+torch's cached blocks) before its worker takes the next. The workers' own output goes to one log file per
+shard and one per timing worker (their directory is named in the report). Exit status: 0 with a
+recommendation, 1 without one, 2 when it cannot run (no usable GPU, a GPU without a kernel here, a
 usage mistake): one line on stderr.
 
 export (no GPU needed):
@@ -57,6 +63,7 @@ file (submission.py itself included) is overwritten only with --force, and the r
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import json
@@ -381,6 +388,37 @@ def _cuda_usable() -> bool:
         return False
 
 
+def _release_gpu_memory() -> None:
+    """Gives back what a job left on the GPU: the submission's prepared calls (each keeps its input's tensors
+    alive: 16 input sets of a benchmark, ~2 GB) and torch's cached blocks (torch keeps freed blocks
+    otherwise). The L2 flush tensor stays (utils.clear_l2_cache_large: one per process, as in eval.py
+    benchmark); it goes with the timing worker."""
+    import torch
+
+    loaded = sys.modules.get("submission")
+    if hasattr(loaded, "forget_prepared_calls"):
+        loaded.forget_prepared_calls()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception:  # a lost context: the job's own answer says so (cuda_ok)
+            pass
+
+
+def _gives_back_gpu_memory(job: Callable) -> Callable:
+    """`job`, followed by _release_gpu_memory, pass or fail: a worker waiting for its next job holds no input
+    sets of its last one beside the other workers."""
+    @functools.wraps(job)
+    def run(*args):
+        try:
+            return job(*args)
+        finally:
+            _release_gpu_memory()
+
+    return run
+
+
 def job_hello() -> dict:
     """What the worker runs: the variant it took from the environment, its launch path, the device."""
     import torch
@@ -406,6 +444,7 @@ def _max_abs_error(out, expected) -> float:
     return worst
 
 
+@_gives_back_gpu_memory
 def job_check(args: dict) -> dict:
     """One correctness case: a fresh input, then the same input objects again (the prepared-call path);
     the output poisoned with NaN before each call (an element the kernel never writes stays NaN and fails
@@ -457,25 +496,12 @@ def job_build(problems: list) -> dict:
     return dict(status="ok", kernels=len(keys), seconds=round(time.perf_counter() - start, 2))
 
 
-def _release_gpu_memory() -> None:
-    """Returns this worker's cached GPU memory to the driver (torch keeps freed blocks otherwise)."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
+@_gives_back_gpu_memory
 def job_benchmark(test, max_repeats: int, max_time_ns: float) -> dict:
-    """One benchmark with eval.py's (the runner's) method; its obligatory check of all 15 inputs first."""
+    """One benchmark with eval.py benchmark's (the runner's) method, harness._run_single_benchmark itself; its
+    obligatory check of all 15 inputs first."""
     start = time.perf_counter()
-    try:
-        result = harness._run_single_benchmark(test, False, max_repeats, max_time_ns, True)
-    finally:
-        # NOTES: the runner's L2 flush allocates 64 GB, which torch's caching allocator then keeps for this
-        # worker: the next variant's worker, timed after it on the same GPU, ran out of memory (seen on an
-        # H200). Hand it back before the next worker times anything.
-        _release_gpu_memory()
+    result = harness._run_single_benchmark(test, False, max_repeats, max_time_ns, True)
     seconds = round(time.perf_counter() - start, 2)
     if isinstance(result, harness.Stats):
         return dict(status="ok", mean_us=result.mean / 1e3, err_us=result.err / 1e3, best_us=result.best / 1e3,
@@ -485,6 +511,11 @@ def job_benchmark(test, max_repeats: int, max_time_ns: float) -> dict:
 
 def _tuples(args: dict) -> dict:
     return {key: tuple(v) if isinstance(v, list) else v for key, v in args.items()}
+
+
+def _listed(args: dict) -> dict:
+    """Case args as build_cases keeps them (lists, not tuples): what job_build takes."""
+    return {key: list(v) if isinstance(v, tuple) else v for key, v in args.items()}
 
 
 def pattern_failures(expected: list, outputs: list, check: Callable) -> list:
@@ -498,6 +529,7 @@ def pattern_failures(expected: list, outputs: list, check: Callable) -> list:
     return failures
 
 
+@_gives_back_gpu_memory
 def job_pattern(args: dict, repeats: int) -> dict:
     """The runner's timing pattern, with every result checked: the 15 input sets of a benchmark
     (pattern_case_args) called back to back without a sync in between, the same input objects in each of
@@ -566,6 +598,7 @@ def descriptor_outcome(bits: list, operands: list, row_kind: str) -> dict:
     return outcome
 
 
+@_gives_back_gpu_memory
 def job_descriptors(args: dict) -> dict:
     """B200: one call of the case, then every TMA descriptor its kernels used, read back from the launch's
     workspace (submission.launch_metadata, the call's own cache entry): bit 85 per group and operand (the
@@ -736,11 +769,17 @@ class Worker:
 # bringup: building and running the variants
 # ---------------------------------------------------------------------------------------------------------
 MAX_WORKER_LOSSES = 3  # crashes, hangs or unusable CUDA contexts before a variant's remaining cases are skipped
-QUICK_MAX_REPEATS = 5
 MAX_JOBS = 32  # worker processes building and testing at once, at most (--jobs may ask for fewer)
 # Host memory one worker may take while it builds (torch, the DSL, MLIR and ptxas); --jobs by default keeps
 # the workers within the memory the machine has available.
 WORKER_MEMORY_BYTES = 4 * 2**30
+# NOTES: GPU memory one build and test worker may hold at once: its CUDA context with torch's and the DSL's
+# modules (~1 GiB), and the runner's pattern on task.yml's largest benchmark (job_pattern: 15 input sets and
+# their 15 expected copies, ~145 MB each for benchmark 1, 4.4 GB; tests/test_bringup.py checks the estimate
+# against task.yml). Each job gives back what it left (_release_gpu_memory). --jobs by default keeps the
+# workers within the GPU's free memory too, as their checks and patterns run at once: one per core would be
+# 16 of them on an 80 GB card.
+WORKER_GPU_MEMORY_BYTES = 6 * 2**30
 
 
 @dataclasses.dataclass
@@ -751,17 +790,19 @@ class Limits:
     build_timeout: float = 900.0  # one build unit: every kernel one variant runs with one group count
     case_timeout: float = 300.0  # one correctness case (its compiles too, in a worker that replaced a lost one)
     bench_timeout: float = 900.0  # one benchmark: 15 inputs, their check, up to 2 minutes of repeats
-    max_repeats: int = 100
-    max_time_ns: float = 10e9
-    warmup_repeats: int = 100  # 0: no warm-up run (each benchmark's untimed check of its 15 inputs compiles)
+    # eval.py benchmark's stop rules, --quick too: bringup's numbers are to be eval.py benchmark's
+    max_repeats: int = harness.BENCHMARK_LIMITS[0]
+    max_time_ns: float = harness.BENCHMARK_LIMITS[1]
+    warmup_repeats: int = harness.WARMUP_LIMITS[0]  # 0: no warm-up run (each benchmark's untimed check compiles)
     max_losses: int = MAX_WORKER_LOSSES
     pattern_repeats: int = 3  # batches of the runner's pattern, every result checked (job_pattern)
     pattern_timeout: float = 900.0  # one benchmark's pattern: 15 inputs, their batches and checks
 
 
-QUICK_LIMITS = Limits(start_timeout=180.0, build_timeout=600.0, case_timeout=120.0, bench_timeout=120.0,
-                      max_repeats=QUICK_MAX_REPEATS, warmup_repeats=0, max_losses=2, pattern_repeats=2,
-                      pattern_timeout=300.0)
+# Shorter timeouts and fewer pattern batches; the timing stays eval.py benchmark's (at most five repeats
+# without the warm-up read 4-14 % above eval.py benchmark on an H100, sm90_auto).
+QUICK_LIMITS = Limits(start_timeout=180.0, build_timeout=600.0, case_timeout=120.0, bench_timeout=300.0,
+                      max_losses=2, pattern_repeats=2, pattern_timeout=300.0)
 
 
 @dataclasses.dataclass
@@ -782,7 +823,7 @@ def build_units(cases: list, benchmarks: list, tile_n: Optional[int]) -> dict:
     first appear."""
     units = {}
     problems = [c["args"] for c in cases if not not_applicable(c["args"], tile_n)]
-    problems += [{key: list(v) if isinstance(v, tuple) else v for key, v in b.case.args.items()} for b in benchmarks]
+    problems += [_listed(b.case.args) for b in benchmarks]
     for args in problems:
         groups = kernel_groups(args)
         if groups:
@@ -807,20 +848,37 @@ def _available_memory() -> Optional[int]:
     return None
 
 
-def default_jobs(units: int, cpus: Optional[int] = None, memory: Optional[int] = -1) -> int:
-    """Worker processes at once: one per core, no more than there are build units, MAX_JOBS or the
-    available memory holds (WORKER_MEMORY_BYTES each)."""
+def _free_gpu_memory() -> Optional[int]:
+    """Free memory of the GPU the workers use (bytes), or None where there is none to ask."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.mem_get_info(0)[0]
+    except Exception:
+        pass
+    return None
+
+
+def default_jobs(units: int, cpus: Optional[int] = None, memory: Optional[int] = -1,
+                 gpu_memory: Optional[int] = -1) -> int:
+    """Worker processes at once: one per core, no more than there are build units, MAX_JOBS, the available
+    host memory holds (WORKER_MEMORY_BYTES each) or the GPU's free memory holds (WORKER_GPU_MEMORY_BYTES
+    each). `memory`, `gpu_memory`: bytes, None for unknown (no limit), -1 to ask this machine."""
     cpus = _cpu_count() if cpus is None else cpus
     memory = _available_memory() if memory == -1 else memory
+    gpu_memory = _free_gpu_memory() if gpu_memory == -1 else gpu_memory
     by_memory = MAX_JOBS if memory is None else memory // WORKER_MEMORY_BYTES
-    return max(1, min(cpus, units, MAX_JOBS, by_memory))
+    by_gpu_memory = MAX_JOBS if gpu_memory is None else gpu_memory // WORKER_GPU_MEMORY_BYTES
+    return max(1, min(cpus, units, MAX_JOBS, by_memory, by_gpu_memory))
 
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
     """Part of one variant's work, for one worker process: the build units (kernel group counts) it builds,
     then the cases with those group counts it checks (the first shard also those that build nothing), and
-    the benchmarks with them it times."""
+    the benchmarks with them it runs the runner's pattern on. (A variant's timing worker is one too: the
+    benchmarks' group counts.)"""
 
     variant: str
     index: int
@@ -976,10 +1034,11 @@ def run_variants(plans: list, cases: list, benchmarks: list, limits: Limits, job
        The DSL keeps compiled kernels per process only, so a case runs in the worker that built its kernels.
        After its cases the worker runs the runner's pattern, every result checked (job_pattern), on the
        benchmarks with its group counts (where the plan asks: "pattern"), and reads back the descriptors
-       of one case (where the plan names it: "descriptors", B200).
-    2. Time, one benchmark at a time on the otherwise idle GPU: the benchmarks of every variant that failed
-       no case, pattern or descriptor check, each in the worker of the shard that built its kernels (a
-       fresh one where that was lost).
+       of one case (where the plan names it: "descriptors", B200); then it exits. A job that ran out of GPU
+       memory (`out_of_memory`) beside the other workers runs again alone once they have all exited.
+    2. Time, one variant at a time, each in a fresh worker of its own on an otherwise idle GPU
+       (`time_variant`: eval.py benchmark's method and limits): the benchmarks of every variant that failed
+       no case, pattern or descriptor check.
 
     plan: name, env (what selects the variant in a fresh interpreter), selected (the worker must report
     this as its variant: key, value), tile_n (the forced tile width, None when chosen per problem), log (the
@@ -1006,7 +1065,6 @@ def run_variants(plans: list, cases: list, benchmarks: list, limits: Limits, job
         if log_path and shard_counts[shard.variant] > 1:
             log_path = str(Path(log_path).with_suffix(f".{shard.index + 1}.log"))
         runs[shard.variant].runners[shard.index] = ShardRunner(runs[shard.variant], shard, log_path)
-    bench_groups = {kernel_groups(b.case.args) for b in benchmarks}
     for plan in plans:  # what never runs, decided up front
         for case in cases:
             reason = not_applicable(case["args"], plan.get("tile_n"))
@@ -1020,38 +1078,51 @@ def run_variants(plans: list, cases: list, benchmarks: list, limits: Limits, job
         f"{building.total} build units, {testing.total} cases, {len(shards)} shards, {min(jobs, len(shards))} "
         f"worker processes at once")
 
+    retries = []  # (shard, what, job, args, timeout, store) of each job that ran out of memory (out_of_memory)
+    retries_lock = threading.Lock()
+
+    def attempt(shard: Shard, what: str, job: str, args: tuple, timeout: float, store: Callable) -> dict:
+        """One job in the shard's worker, its outcome stored; one that ran out of memory beside the other
+        workers is also put on `retries`, to be run again alone."""
+        outcome = runs[shard.variant].runners[shard.index].call(job, args, timeout)
+        store(outcome)
+        if out_of_memory(outcome):
+            with retries_lock:
+                retries.append((shard, what, job, args, timeout, store))
+        return outcome
+
     def work(shard: Shard) -> None:
         run = runs[shard.variant]
-        runner = run.runners[shard.index]
+        result = run.result
         for groups in shard.groups:
             building.begin()
-            outcome = runner.call("bringup:job_build", (units[shard.variant][groups],), limits.build_timeout)
-            run.result["builds"][f"g={groups}"] = outcome
+            outcome = attempt(shard, f"build g={groups}", "bringup:job_build", (units[shard.variant][groups],),
+                              limits.build_timeout, functools.partial(result["builds"].__setitem__, f"g={groups}"))
             log(f"{building.tick()} [{run.name}] build g={groups}: {_outcome_text(outcome)}")
         for case in to_check[shard.variant]:
             groups = kernel_groups(case["args"])
             if groups not in shard.groups and not (groups == 0 and shard.index == 0):
                 continue
             testing.begin()
-            outcome = runner.call("bringup:job_check", (case["args"],), limits.case_timeout)
-            run.result["cases"][case["label"]] = outcome
+            outcome = attempt(shard, case["label"], "bringup:job_check", (case["args"],), limits.case_timeout,
+                              functools.partial(result["cases"].__setitem__, case["label"]))
             log(f"{testing.tick()} [{run.name}] {case['label']:<14} {_outcome_text(outcome)}")
         for bench in benchmarks if run.plan.get("pattern") else ():
             if kernel_groups(bench.case.args) not in shard.groups:
                 continue
             patterning.begin()
-            outcome = runner.call("bringup:job_pattern", (dict(bench.case.args), limits.pattern_repeats),
-                                  limits.pattern_timeout)
-            run.result["pattern"][bench.label] = outcome
+            outcome = attempt(shard, f"pattern {bench.label}", "bringup:job_pattern",
+                              (dict(bench.case.args), limits.pattern_repeats), limits.pattern_timeout,
+                              functools.partial(result["pattern"].__setitem__, bench.label))
             log(f"{patterning.tick()} [{run.name}] {bench.label:<14} {_outcome_text(outcome)}")
         described = run.plan.get("descriptors")
         if described and kernel_groups(described["args"]) in shard.groups and not not_applicable(
                 described["args"], run.plan.get("tile_n")):
-            outcome = runner.call("bringup:job_descriptors", (described["args"],), limits.case_timeout)
-            run.result["descriptors"] = dict(outcome, case=described["label"])
+            outcome = attempt(shard, f"descriptors of {described['label']}", "bringup:job_descriptors",
+                              (described["args"],), limits.case_timeout,
+                              lambda outcome: result.__setitem__("descriptors", dict(outcome, case=described["label"])))
             log(f"[{run.name}] descriptors of {described['label']}: {_outcome_text(outcome)}")
-        if not bench_groups & set(shard.groups):
-            runner.close()  # not needed for timing
+        run.runners[shard.index].close()  # timing starts a worker of its own, on a GPU left to it
 
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(jobs, len(shards))))
     try:
@@ -1065,6 +1136,20 @@ def run_variants(plans: list, cases: list, benchmarks: list, limits: Limits, job
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+    # Every shard's worker has exited: each job that ran out of memory beside them runs again alone, in a
+    # fresh worker of its shard (it compiles what it needs; closed before the next shard's), and that outcome
+    # is the one that counts.
+    order = list(runs)
+    retries.sort(key=lambda entry: (order.index(entry[0].variant), entry[0].index))
+    for number, (shard, what, job, args, timeout, store) in enumerate(retries):
+        run = runs[shard.variant]
+        runner = run.runners[shard.index]
+        log(f"[{run.name}] {what}: out of memory beside other workers; again, alone...")
+        outcome = runner.call(job, args, timeout)
+        store(dict(outcome, alone=True))
+        log(f"[{run.name}] {what}: {_outcome_text(outcome)} (alone)")
+        if number + 1 == len(retries) or retries[number + 1][0] != shard:
+            runner.close()
     labels = [c["label"] for c in cases]
     for run in runs.values():
         run.result["cases"] = _ordered(run.result["cases"], labels)
@@ -1079,18 +1164,61 @@ def run_variants(plans: list, cases: list, benchmarks: list, limits: Limits, job
             why = f"not timed: failed {', '.join(failed[:3])}{' ...' if len(failed) > 3 else ''}"
             run.result["benchmarks"] = {b.label: dict(status="not run", error=why) for b in benchmarks}
             continue
-        owner = {g: run.runners[s.index] for s in shards if s.variant == run.name for g in s.groups}
-        first = run.runners[0]
+        time_variant(run, benchmarks, limits, timing, log)
+    for run in runs.values():
+        for runner in run.runners.values():
+            runner.close()
+        run.result["seconds"] = round(time.monotonic() - started, 1)
+    return {name: run.result for name, run in runs.items()}
+
+
+_OUT_OF_MEMORY = re.compile(r"out[ _]of[ _]memory|OutOfMemory|cudaErrorMemoryAllocation", re.IGNORECASE)
+
+
+def out_of_memory(outcome: dict) -> bool:
+    """Whether a job went wrong because memory ran out, by its error line: the GPU's (torch's
+    OutOfMemoryError, the CUDA driver's or runtime's out-of-memory error), or the host's (a worker killed by
+    SIGKILL: the kernel's out-of-memory killer; bringup itself kills only after a timeout, reported as one).
+    Beside other workers, that is of the tool's making."""
+    status, error = outcome.get("status"), str(outcome.get("error") or "")
+    if status == "crash" and "killed by SIGKILL" in error:
+        return True
+    return status not in ("ok", "pass", "n/a", "not run") and bool(_OUT_OF_MEMORY.search(error))
+
+
+def time_variant(run: VariantRun, benchmarks: list, limits: Limits, timing: Progress,
+                 log: Callable[[str], None]) -> None:
+    """Times one variant's benchmarks as eval.py benchmark does, into run.result["benchmarks"]: in a fresh
+    worker of its own (started when no other worker is left, closed before the next variant's starts, so
+    that its inputs, its L2 flush tensor and its context are gone with it), which builds the benchmarks'
+    kernels (job_build: no compile inside a benchmark's timeout), then runs harness._run_single_benchmark
+    with eval.py benchmark's limits (Limits: harness.WARMUP_LIMITS on the first benchmark, untimed, then
+    harness.BENCHMARK_LIMITS on each). A benchmark that ran out of memory runs once more in a fresh
+    worker."""
+    units = {}
+    for bench in benchmarks:
+        if kernel_groups(bench.case.args):
+            units.setdefault(kernel_groups(bench.case.args), []).append(_listed(bench.case.args))
+    log_path = run.plan.get("log") and str(Path(run.plan["log"]).with_suffix(".timing.log"))
+    runner = run.runners["timing"] = ShardRunner(run, Shard(run.name, len(run.runners), tuple(sorted(units))),
+                                                 log_path)
+    try:
+        for groups, problems in units.items():
+            outcome = runner.call("bringup:job_build", (problems,), limits.build_timeout)
+            log(f"[{run.name}] timing worker: build g={groups}: {_outcome_text(outcome)}")
         if benchmarks and limits.warmup_repeats:  # as eval.py benchmark and the runner: the first one, untimed
-            log(f"[{run.name}] warm-up (compile and first launch)...")
-            runner = owner.get(kernel_groups(benchmarks[0].case.args), first)
-            run.result["warmup"] = runner.call("bringup:job_benchmark",
-                                               (benchmarks[0].case, limits.warmup_repeats, 10e7), limits.bench_timeout)
+            log(f"[{run.name}] warm-up (first launch)...")
+            run.result["warmup"] = runner.call("bringup:job_benchmark", (benchmarks[0].case, limits.warmup_repeats,
+                                                                         harness.WARMUP_LIMITS[1]),
+                                               limits.bench_timeout)
         for bench in benchmarks:
-            runner = owner.get(kernel_groups(bench.case.args), first)
             timing.begin()
-            outcome = runner.call("bringup:job_benchmark", (bench.case, limits.max_repeats, limits.max_time_ns),
-                                  limits.bench_timeout)
+            args = (bench.case, limits.max_repeats, limits.max_time_ns)
+            outcome = runner.call("bringup:job_benchmark", args, limits.bench_timeout)
+            if out_of_memory(outcome):
+                log(f"[{run.name}] {bench.label}: {outcome['status']}: {outcome['error']}; again, in a fresh worker...")
+                runner.kill()
+                outcome = dict(runner.call("bringup:job_benchmark", args, limits.bench_timeout), fresh_worker=True)
             predicted = (run.plan.get("predicted") or {}).get(bench.label)
             if predicted is not None:
                 outcome["predicted_us"] = predicted
@@ -1100,11 +1228,10 @@ def run_variants(plans: list, cases: list, benchmarks: list, limits: Limits, job
             if predicted is not None:
                 shown += f"; the tile model: {predicted:.2f} µs"
             log(f"{timing.tick()} [{run.name}] {bench.label:<14} {shown}")
-    for run in runs.values():
-        for runner in run.runners.values():
-            runner.close()
-        run.result["seconds"] = round(time.monotonic() - started, 1)
-    return {name: run.result for name, run in runs.items()}
+    except BaseException:  # Ctrl-C: the worker goes at once
+        runner.kill()
+        raise
+    runner.close()
 
 
 def _failed_cases(result: dict) -> list:
@@ -1486,13 +1613,15 @@ def bringup_main(argv: list) -> int:
     parser = harness.OneLineArgumentParser(
         prog=prog, description="First run on a B200 (or a Hopper GPU): every variant built, checked and timed.")
     parser.add_argument("--quick", action="store_true",
-                        help=f"at most {QUICK_MAX_REPEATS} timing repeats per benchmark and shorter timeouts")
+                        help="shorter timeouts and fewer batches of the runner's pattern (the timing stays eval.py "
+                             "benchmark's)")
     parser.add_argument("--json", metavar="PATH", help="also write every result as JSON (for a bug report)")
     parser.add_argument("--variants", metavar="A,B", help="only these variants (default: every one for this GPU)")
     parser.add_argument("--timeout", type=float, metavar="S", help="timeout of one correctness case (s)")
     parser.add_argument("--jobs", type=int, metavar="N",
                         help=f"worker processes building and testing at once (default: one per core, at most "
-                             f"{MAX_JOBS}, the build units and what the available memory holds)")
+                             f"{MAX_JOBS}, the build units and what the available host and GPU memory holds; "
+                             "the timing runs one variant at a time, whatever N)")
     parser.add_argument("--sanitizer", action="store_true",
                         help="afterwards, run the runner's pattern on every benchmark again under compute-sanitizer "
                              "memcheck, with programmatic dependent launch on and off (slow; skipped, with a note, "

@@ -34,10 +34,11 @@ to the kernel as the runner's would. `python eval.py MODE --help` lists a mode's
 
 `python eval.py bringup [--quick] [--json PATH] [--jobs N]` (a B200, or an H100/H200 for the Hopper tiles): the
 first run on a new GPU: the environment; every kernel variant built in parallel worker processes (one per
-core by default), then checked through every task.yml test and edge cases (outputs poisoned, crashes and
-hangs cost one case), with a time-left estimate as it goes; the benchmarks of every variant that passed,
-one at a time (on a B200 beside the tile model's prediction); and the fastest passing variant with the one
-line that makes it the default (bringup.py).
+core by default, within host and GPU memory), then checked through every task.yml test and edge cases
+(outputs poisoned, crashes and hangs cost one case), with a time-left estimate as it goes; the benchmarks of
+every variant that passed, one variant at a time in a worker of its own, timed as `eval.py benchmark` times
+them (on a B200 beside the tile model's prediction); and the fastest passing variant with the one line that
+makes it the default (bringup.py).
 `python eval.py export --variant NAME -o FILE [--force]` needs no GPU: a copy of submission.py whose default
 variant is NAME, checked against the leaderboard's file rules; FILE must not exist yet (an existing file,
 submission.py included, is overwritten only with --force).
@@ -57,9 +58,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from harness import (  # noqa: F401  (eval.X names kept for the tests and for scripts that use them)
-    GENERATOR_KEYS, NUM_ITERATIONS_PER_BENCHMARK, CaseFileError, OneLineArgumentParser, Stats, TestCase, _clone_data,
-    _init_worker, _run_single_benchmark, _run_single_profile, _run_single_test, _short, apply_secret_seed,
-    calculate_stats, case_sizes, case_work, fit_label, geomean, gpu_problem, load_cases, make_pool,
+    BENCHMARK_LIMITS, GENERATOR_KEYS, NUM_ITERATIONS_PER_BENCHMARK, WARMUP_LIMITS, CaseFileError, OneLineArgumentParser,
+    Stats, TestCase, _clone_data, _init_worker, _run_single_benchmark, _run_single_profile, _run_single_test, _short,
+    apply_secret_seed, calculate_stats, case_sizes, case_work, fit_label, geomean, gpu_problem, load_cases, make_pool,
     parse_case_line, progress, usage_error)
 
 # The runner disables CuTe DSL's on-disk cache so that every benchmark compiles the same way.
@@ -201,12 +202,12 @@ def _log_benchmark(logger: PopcornOutput, idx: int, result) -> bool:
 
 
 def run_benchmarking(logger: PopcornOutput, pool, tests: list[TestCase]) -> int:
-    pool.apply(_run_single_benchmark, (tests[0], False, 100, 10e7))  # warm-up: compile, caches
+    pool.apply(_run_single_benchmark, (tests[0], False, *WARMUP_LIMITS))  # warm-up: compile, caches
     passed = True
     logger.log("benchmark-count", len(tests))
     for idx, test in enumerate(tests):
         logger.log(f"benchmark.{idx}.spec", test.spec)
-        passed &= _log_benchmark(logger, idx, pool.apply(_run_single_benchmark, (test, False, 100, 10e9)))
+        passed &= _log_benchmark(logger, idx, pool.apply(_run_single_benchmark, (test, False, *BENCHMARK_LIMITS)))
     logger.log("check", "pass" if passed else "fail")
     return 0 if passed else 112
 
@@ -325,13 +326,13 @@ def format_benchmark_table(rows: list[tuple[TestCase, Any]]) -> str:
 
 def human_benchmark(pool, tests: list[TestCase], recheck: bool) -> int:
     progress("warm-up (compile and first launch)...")
-    warm = pool.apply(_run_single_benchmark, (tests[0], False, 100, 10e7, True))
+    warm = pool.apply(_run_single_benchmark, (tests[0], False, *WARMUP_LIMITS, True))
     if isinstance(warm, str) and _unsupported(warm, "benchmark"):
         return 2
     rows = []
     for idx, test in enumerate(tests):
         progress(f"[{idx + 1}/{len(tests)}] benchmark {_short(test)}")
-        rows.append((test, pool.apply(_run_single_benchmark, (test, recheck, 100, 10e9, True))))
+        rows.append((test, pool.apply(_run_single_benchmark, (test, recheck, *BENCHMARK_LIMITS, True))))
     print(format_benchmark_table(rows))
     return 0 if all(isinstance(r, Stats) for _, r in rows) else 1
 

@@ -16,6 +16,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 NUM_ITERATIONS_PER_BENCHMARK = 15
+# eval.py benchmark's stop rules (the runner's), (max_repeats, max_time_ns) of _run_single_benchmark: the
+# untimed warm-up on the first case, then each timed case. bringup times with these too, so that its numbers
+# are eval.py benchmark's.
+WARMUP_LIMITS = (100, 10e7)
+BENCHMARK_LIMITS = (100, 10e9)
 
 GENERATOR_KEYS = ("m", "n", "k", "g", "seed")
 

@@ -477,18 +477,55 @@ def test_job_benchmark_uses_the_runners_method(stand_in):
     assert result["status"] == "fail" and "mismatch" in result["error"]
 
 
-def test_job_benchmark_hands_the_flush_memory_back(stand_in, monkeypatch):
-    # Regression: the runner's 64 GB L2 flush stayed in torch's cache of the worker that timed first, and the
-    # next variant's worker ran out of GPU memory (H200 bring-up). Each benchmark job releases it, pass or fail.
+def test_gpu_jobs_give_back_their_gpu_memory(stand_in, monkeypatch):
+    # Regression: torch's cache and the submission's prepared calls (each keeps its input set alive) kept a
+    # job's memory in its worker while the other workers ran (H200 and 80 GB bring-up). Each GPU job gives it
+    # back, pass or fail.
     released = []
     monkeypatch.setattr(bringup, "_release_gpu_memory", lambda: released.append(True))
     stand_in(reference.ref_kernel)
     case = ev.TestCase(args=dict(m=(64,), n=(128,), k=(256,), g=1, seed=3), spec="x")
     bringup.job_benchmark(case, 4, 10e9)
+    bringup.job_check(ARGS)
+    bringup.job_pattern(ARGS, 1)
     monkeypatch.setattr(bringup.harness, "_run_single_benchmark", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         bringup.job_benchmark(case, 4, 10e9)
-    assert released == [True, True]
+    assert released == [True] * 4
+
+
+def test_release_gpu_memory_drops_the_prepared_calls(monkeypatch):
+    forgotten = []
+    stand_in = types.SimpleNamespace(forget_prepared_calls=lambda: forgotten.append(1))
+    monkeypatch.setitem(sys.modules, "submission", stand_in)
+    bringup._release_gpu_memory()
+    assert forgotten == [1]
+
+
+def test_a_flush_beside_too_little_free_memory_is_sized_down_not_an_error(monkeypatch):
+    # Regression: on an 80 GB card with 22.3 GiB free, clear_l2_cache_large raised "too little for a 1 GiB
+    # flush beside 24 GiB of headroom" inside job_benchmark, and bring-up marked the variant ERROR.
+    # (stand_in without its flush stand-in: the real flush, on a fake card.)
+    import utils
+
+    real_empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setitem(sys.modules, "submission", types.SimpleNamespace(custom_kernel=reference.ref_kernel))
+    allocated = []
+
+    def empty(*args, device=None, **kwargs):
+        if device == "cuda":  # the flush tensor: its size noted, a small CPU tensor in its place
+            allocated.append(args[0])
+            return real_empty(4)
+        return real_empty(*args, device=device, **kwargs)
+
+    monkeypatch.setattr(utils, "_L2_FLUSH_BUFFER", [])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (int(22.3 * 2**30), 80 * 2**30))
+    monkeypatch.setattr(torch, "empty", empty)
+    case = ev.TestCase(args=dict(m=(64,), n=(128,), k=(256,), g=1, seed=3), spec="x")
+    result = bringup.job_benchmark(case, 4, 10e9)
+    assert result["status"] == "ok" and allocated == [int(22.3 * 2**30) // 2 // 4]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -501,9 +538,11 @@ class FakeWorker:
     def __init__(self, script, variant):
         self.script, self.variant, self.alive = script, variant, True
         self.built = []  # the kernel group counts of each job_build's problems
+        self.jobs = []  # (job, args) of every call, in order
 
     def call(self, job, args, timeout):
         assert self.alive
+        self.jobs.append((job, args))
         if job == "bringup:job_hello":
             return "ok", dict(kernel_variant=self.variant, launch_path="tvm_ffi")
         if job == "bringup:job_build":
@@ -561,9 +600,13 @@ def _driver(script, name="persistent", **plan):
     return result, workers, lines
 
 
-def test_driver_all_pass_then_benchmarks_in_one_worker():
+def test_driver_all_pass_then_benchmarks_in_a_fresh_worker():
     result, workers, lines = _driver({})
-    assert len(workers) == 1
+    # one worker builds and tests; after it has exited, a fresh one builds the benchmarks' kernels and times
+    assert len(workers) == 2 and not any(w.alive for w in workers)
+    tested, timed = ([job for job, _ in w.jobs] for w in workers)
+    assert "bringup:job_benchmark" not in tested and "bringup:job_check" not in timed
+    assert timed == ["bringup:job_hello", "bringup:job_build"] + ["bringup:job_benchmark"] * 3  # warm-up, 2
     assert [c["status"] for c in result["cases"].values()] == ["pass"] * 6
     assert {k: b["mean_us"] for k, b in result["benchmarks"].items()} == {"bench1": 20.0, "bench2": 10.0}
     assert result["benchmarks"]["bench1"]["runs"] == 7
@@ -634,6 +677,33 @@ def test_default_jobs_is_one_per_core_within_the_units_and_memory():
     assert bringup.default_jobs(40, cpus=16, memory=3 * bringup.WORKER_MEMORY_BYTES + gib) == 3
     assert bringup.default_jobs(40, cpus=16, memory=0) == 1
     assert 1 <= bringup.default_jobs(40) <= os.cpu_count()
+
+
+def test_default_jobs_is_capped_by_the_gpus_free_memory(monkeypatch):
+    # Regression: one worker per core (16) checked and ran the pattern at once on an 80 GB card.
+    gib = 2**30
+    per_worker = bringup.WORKER_GPU_MEMORY_BYTES
+    assert bringup.default_jobs(40, cpus=16, memory=None, gpu_memory=None) == 16
+    assert bringup.default_jobs(40, cpus=16, memory=None, gpu_memory=3 * per_worker + gib) == 3
+    assert bringup.default_jobs(40, cpus=16, memory=None, gpu_memory=79 * gib) == 79 * gib // per_worker < 16
+    assert bringup.default_jobs(40, cpus=16, memory=None, gpu_memory=0) == 1
+    # by default, the GPU's free memory as torch reports it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (2 * per_worker + gib, 80 * gib))
+    assert bringup.default_jobs(40, cpus=16, memory=None) == 2
+
+
+def test_worker_gpu_budget_holds_the_pattern_of_the_largest_benchmark():
+    # WORKER_GPU_MEMORY_BYTES's NOTES: a context (~1 GiB) and job_pattern's 15 input sets with their 15 expected
+    # copies of task.yml's largest benchmark. harness.case_work's bytes are an input set's GPU tensors (A, B,
+    # C, the reordered scales; the plain scales stay on the CPU), checked here on the smallest benchmark.
+    benchmarks = ev.load_cases(str(ROOT / "task.yml"), "benchmarks")
+    smallest = min(benchmarks, key=lambda case: harness.case_work(case.args)[1])
+    data = bringup.cpu_input(reference, smallest.args)
+    on_gpu = sum(x.nbytes for group in data[0] + data[2] for x in group)
+    assert on_gpu == pytest.approx(harness.case_work(smallest.args)[1], rel=0.01)
+    largest = max(harness.case_work(case.args)[1] for case in benchmarks)
+    assert 2**30 + 2 * harness.NUM_ITERATIONS_PER_BENCHMARK * largest * 1.15 <= bringup.WORKER_GPU_MEMORY_BYTES
 
 
 def test_shards_split_the_units_over_the_jobs():
@@ -714,9 +784,14 @@ def test_variants_build_in_parallel_workers_and_a_crash_costs_one_case():
     # every worker built before it checked anything; builds of each variant cover its group counts
     for worker in workers:
         assert all(len(set(groups)) == 1 for groups in worker.built)
-    built = {name: sorted(g for w in workers if w.variant == name for groups in w.built for g in set(groups))
+    testers = [w for w in workers if any(job == "bringup:job_check" for job, _ in w.jobs)]
+    built = {name: sorted(g for w in testers if w.variant == name for groups in w.built for g in set(groups))
              for name in ("persistent", "seed")}
     assert built == {"persistent": [1, 2, 3, 4], "seed": [1, 2, 3, 4]}
+    # the timing workers, one per variant timed, built the benchmarks' group count only
+    timers = [w for w in workers if w not in testers]
+    assert sorted(w.variant for w in timers) == ["persistent", "persistent_n256"]
+    assert all(w.built == [(1, 1)] for w in timers)
     assert sum(1 for line in lines if line.startswith("[build ")) == sum(len(r["builds"]) for r in results.values())
     assert any(re.match(r"\[test 12/\d+, ~\d+ s left\] \[", line) for line in lines)
     assert sum(1 for line in lines if line.startswith("[bench ")) == 4  # two variants timed, two benchmarks each
@@ -747,6 +822,144 @@ def test_a_stopped_run_stops_every_worker():
                              bringup.Limits(), jobs=2, start_worker=start, log=lambda line: None)
     assert workers and not any(w.alive for w in workers)
     assert checks.count("persistent") < 40  # the other variant's cases stopped too
+
+
+class LedgerWorker(FakeWorker):
+    """A FakeWorker that keeps, in a ledger shared by all, the workers alive (started, not yet closed or
+    killed), how many were alive beside it at each benchmark and at each call of a job in `oom`, and the
+    variant of each benchmark. `oom`: (variant, case or benchmark seed) -> how many of its calls run out of
+    GPU memory first."""
+
+    def __init__(self, script, variant, ledger, oom=None):
+        super().__init__(script, variant)
+        self.ledger, self.oom = ledger, oom if oom is not None else {}
+        with ledger["lock"]:
+            ledger["alive"].add(self)
+
+    def _beside(self) -> int:
+        with self.ledger["lock"]:
+            return len(self.ledger["alive"] - {self})
+
+    def call(self, job, args, timeout):
+        key = (args[0]["seed"] if job == "bringup:job_check" else
+               args[0].args["seed"] if job == "bringup:job_benchmark" else None)
+        if job == "bringup:job_benchmark":
+            self.ledger["benchmarks"].append((self.variant, self._beside()))
+        slot = (self.variant, key)
+        if slot in self.oom:
+            self.ledger["oom"].append((slot, self._beside()))
+            if self.oom[slot]:
+                self.oom[slot] -= 1
+                self.jobs.append((job, args))
+                status = "error" if job == "bringup:job_check" else "fail"
+                return "ok", dict(status=status, error="OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 "
+                                                       "GiB. GPU 0 has a total capacity of 79.19 GiB")
+        return super().call(job, args, timeout)
+
+    def close(self):
+        super().close()
+        with self.ledger["lock"]:
+            self.ledger["alive"].discard(self)
+
+    kill = close
+
+
+def _ledger_run(plans, limits=None, oom=None, jobs=4):
+    """run_variants on LedgerWorkers (cases with 1 and 2 groups, two benchmarks): (results, ledger, workers)."""
+    ledger = dict(lock=threading.Lock(), alive=set(), benchmarks=[], oom=[])
+    workers = []
+
+    def start(env, log):
+        with ledger["lock"]:
+            workers.append(None)
+        worker = LedgerWorker({}, env["NVFP4_KERNEL_VARIANT"], ledger, oom)
+        with ledger["lock"]:
+            workers[workers.index(None)] = worker
+        return worker
+
+    cases = [dict(label=f"c{i}", kind="edge", args=dict(m=[64] * (1 + i % 2), n=[256] * (1 + i % 2),
+                                                        k=[256] * (1 + i % 2), g=1 + i % 2, seed=i), spec="")
+             for i in range(6)]
+    results = bringup.run_variants(plans, cases, _fake_benchmarks(), limits or bringup.Limits(), jobs=jobs,
+                                   start_worker=start, log=lambda line: None)
+    return results, ledger, workers
+
+
+def test_timing_runs_alone_one_variant_at_a_time():
+    # Regression: the workers that built a variant's benchmark kernels stayed alive, with their inputs,
+    # caches and L2 flush tensors, while every later variant was timed on the same GPU (an 80 GB card ran
+    # out of memory for the flush, and the timings were not eval.py benchmark's).
+    plans = [_plan("persistent"), _plan("seed"), _plan("persistent_n128")]
+    results, ledger, _ = _ledger_run(plans)
+    assert [variant for variant, _ in ledger["benchmarks"]] == [p["name"] for p in plans for _ in range(3)]
+    assert [beside for _, beside in ledger["benchmarks"]] == [0] * 9  # no other worker alive while timing
+    assert not ledger["alive"] and all(r["benchmarks"]["bench2"]["status"] == "ok" for r in results.values())
+
+
+def test_bringup_times_with_eval_benchmarks_method_and_limits(monkeypatch):
+    # Regression: --quick timed at most 5 repeats without the warm-up, 4-14 % above eval.py benchmark on an
+    # H100. Now bring-up's timing worker, --quick or not, runs harness._run_single_benchmark with exactly the
+    # arguments eval.py benchmark's worker gets.
+    class Pool:
+        def __init__(self):
+            self.calls = []
+
+        def apply(self, function, args):
+            self.calls.append((function, args[1:]))
+            return harness.Stats(runs=3, mean=1e3, std=0.0, err=0.0, best=1e3, worst=1e3)
+
+    pool, tests = Pool(), [bench.case for bench in _fake_benchmarks()]
+    assert ev.human_benchmark(pool, tests, recheck=False) == 0
+    assert all(function is harness._run_single_benchmark for function, _ in pool.calls)
+    for limits in (bringup.Limits(), bringup.QUICK_LIMITS):
+        _, _, workers = _ledger_run([_plan("persistent")], limits=limits)
+        timed = [args for worker in workers for job, args in worker.jobs if job == "bringup:job_benchmark"]
+        assert [case.spec for case, _, _ in timed] == [tests[0].spec] + [case.spec for case in tests]
+        passed = []
+        monkeypatch.setattr(harness, "_run_single_benchmark", lambda *args: passed.append(args[1:]) or "stop")
+        for args in timed:
+            bringup.job_benchmark(*args)
+        assert passed == [args for _, args in pool.calls]
+
+
+@pytest.mark.parametrize("times", [1, 9])
+def test_a_check_out_of_gpu_memory_beside_other_workers_runs_again_alone(times):
+    # A job that ran out of GPU memory while other workers ran is no verdict on the variant: it runs again
+    # once they have all exited, and that outcome counts (still out of memory alone: then it is one).
+    plans = [_plan("persistent"), _plan("seed")]
+    results, ledger, _ = _ledger_run(plans, oom={("persistent", 3): times, ("seed", 3): times})
+    for name in ("persistent", "seed"):
+        case = results[name]["cases"]["c3"]
+        tries = [beside for slot, beside in ledger["oom"] if slot == (name, 3)]
+        assert case["alone"] is True and len(tries) == 2 and tries[-1] == 0  # the second: no other worker alive
+        if times == 1:
+            assert case["status"] == "pass" and bringup.verdict(results[name]) == ("pass", "")
+            assert results[name]["benchmarks"]["bench1"]["status"] == "ok"
+        else:
+            assert case["status"] == "error" and "out of memory" in case["error"]
+            assert bringup.verdict(results[name])[0] == "fail"
+
+
+def test_a_benchmark_out_of_gpu_memory_runs_again_in_a_fresh_worker():
+    # bench1 (seed 20) runs out of memory twice: as the warm-up, then as itself; in a fresh worker it runs
+    results, _, workers = _ledger_run([_plan("persistent")], oom={("persistent", 20): 2})
+    bench = results["persistent"]["benchmarks"]["bench1"]
+    assert bench["status"] == "ok" and bench["fresh_worker"] is True
+    timers = [w for w in workers if not any(job == "bringup:job_check" for job, _ in w.jobs)]
+    assert len(timers) == 2  # the timing worker, and a fresh one after it ran out of memory
+    assert results["persistent"]["benchmarks"]["bench2"]["status"] == "ok"
+    assert bringup.verdict(results["persistent"]) == ("pass", "")
+
+
+def test_out_of_memory_is_read_from_the_error_line():
+    for error in ("first call: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                  "Encountered OutOfMemoryError: CUDA out of memory.", "batch 1: CUDA_ERROR_OUT_OF_MEMORY",
+                  "RuntimeError: CUDA error: out of memory", "cudaErrorMemoryAllocation"):
+        assert bringup.out_of_memory(dict(status="error", error=error)), error
+    assert bringup.out_of_memory(dict(status="crash", error="worker process died (killed by SIGKILL)"))
+    assert not bringup.out_of_memory(dict(status="crash", error="worker process died (killed by SIGSEGV)"))
+    assert not bringup.out_of_memory(dict(status="fail", error="mismatch found! ..."))
+    assert not bringup.out_of_memory(dict(status="pass", error="out of memory"))
 
 
 def test_job_build_builds_each_problem_through_the_submission(monkeypatch):
@@ -853,7 +1066,7 @@ def test_report_tables():
     benchmarks = [bringup.Benchmark(label, ev.TestCase(args=dict(m=(1,), n=(128,), k=(256,), g=1, seed=1), spec=""))
                   for label in LABELS]
     rec = bringup.recommend(FABRICATED, LABELS, "b200", "persistent")
-    report = bringup.format_report(cases, benchmarks, FABRICATED, rec, bringup.QUICK_LIMITS, "/tmp/logs")
+    report = bringup.format_report(cases, benchmarks, FABRICATED, rec, bringup.Limits(max_repeats=5), "/tmp/logs")
     lines = report.splitlines()
     header = next(line for line in lines if line.startswith("case "))
     assert all(name in header for name in FABRICATED)
@@ -991,7 +1204,9 @@ def test_bringup_end_to_end_on_a_fake_hopper(monkeypatch, tmp_path, capsys):
     assert document["recommendation"]["variant"] == best
     for name in wide:
         assert document["variants"][name]["cases"]["test1"]["status"] == "n/a"
-    assert document["variants"]["sm90_auto"]["benchmarks"]["bench1"]["runs"] == bringup.QUICK_MAX_REPEATS
+    # --quick times as eval.py benchmark does: its warm-up, then its stop rules
+    assert document["variants"]["sm90_auto"]["warmup"]["runs"] == harness.WARMUP_LIMITS[0]
+    assert document["variants"]["sm90_auto"]["benchmarks"]["bench1"]["runs"] == harness.BENCHMARK_LIMITS[0]
     assert "predicted_us" not in document["variants"]["sm90_auto"]["benchmarks"]["bench1"]
     assert [c["label"] for c in document["cases"]][:2] == ["test1", "test2"]
     assert document["environment"]["PDL"] in ("on", "off")
