@@ -1,0 +1,131 @@
+"""Every variant of the GPU's arch under the leaderboard runner's own pattern (its ranked mode).
+
+The runner times each benchmark shape as 15 input sets called back to back with no sync between them, the L2
+flushed before every timing batch, and re-checks every result after every batch (harness.py,
+`_run_single_benchmark` with recheck). A race through global memory, a reused workspace, or one that needs the
+device to be busy (the calls queued behind the flush) shows only there: compute-sanitizer's racecheck sees
+shared memory alone, and one call at a time passes. docs/HOPPER_NOTES.md (r43) has the defect this caught.
+
+Here, per variant, benchmark shape and seed: the 15 inputs of the runner's seed walk (seed + 42 each), the
+obligatory first check on copies, then BATCHES timing-pattern batches. Before each batch every output is
+poisoned with NaN (so an element a batch leaves unwritten shows, which the runner's own recheck would miss: its
+outputs still hold the previous batch's values), then the L2 flush, then the 15 calls queued back to back, then
+every result against `reference.check_implementation` (rtol = atol = 1e-3, the runner's check).
+
+Skipped without a GPU whose arch has kernels here and nvidia-cutlass-dsl.
+"""
+import pytest
+import torch
+
+import reference
+from conftest import cuda_capability, load_task_yml
+
+CAPABILITY = cuda_capability()
+try:
+    import cutlass  # noqa: F401
+    HAVE_DSL = True
+except ImportError:
+    HAVE_DSL = False
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (HAVE_DSL and CAPABILITY in ((9, 0), (10, 0))),
+                                 reason="needs an sm_90 or sm_100 GPU and nvidia-cutlass-dsl")]
+
+INPUTS_PER_BATCH = 15  # harness.NUM_ITERATIONS_PER_BENCHMARK
+BATCHES = 3
+SEEDS = (90211, 4242)  # two of the runner's secret-seed mixes that the defect of r43 failed on
+FLUSH_BYTES = 2 << 30  # evicts a 50-60 MB L2 many times over; the calls queue behind it as on the runner
+
+
+def _variants():
+    """(arch major, variant) of every variant of both arches: the ones not of this GPU's arch skip."""
+    import submission
+
+    names = [(10, name) for name in submission.KERNEL_VARIANTS]
+    try:
+        import submission_sm90
+    except ImportError:
+        return names
+    return names + [(9, name) for name in submission_sm90.SM90_VARIANTS]
+
+
+def _benchmarks():
+    return [{k: case[k] for k in ("m", "n", "k", "g")} for case in load_task_yml()["benchmarks"]]
+
+
+@pytest.fixture
+def variant(request):
+    """Forces the variant for the test, and restores the default after."""
+    import submission
+
+    major, name = request.param
+    if CAPABILITY is None or CAPABILITY[0] != major:
+        pytest.skip(f"{name} runs on sm_{major}0 GPUs")
+    if major == 9:
+        import submission_sm90
+
+        previous = submission_sm90.SM90_VARIANT
+        submission_sm90.set_sm90_variant(name)
+        yield name
+        submission_sm90.set_sm90_variant(previous)
+    else:
+        previous = submission.KERNEL_VARIANT
+        submission.set_variant(name)
+        yield name
+        submission.set_variant(previous)
+
+
+def _clone(data):
+    abc, sfs, sfs_r, sizes = data
+    return ([tuple(t.clone() for t in x) for x in abc], [tuple(t.clone() for t in x) for x in sfs],
+            [tuple(t.clone() for t in x) for x in sfs_r], list(sizes))
+
+
+def _first_failure(checks: list, outputs: list, where: str):
+    for i, (data, out) in enumerate(zip(checks, outputs)):
+        for g, c in enumerate(out):
+            if torch.isnan(c).any():
+                return f"{where}, input {i + 1} of {len(checks)}, group {g}: an output element was never written"
+        ok, message = reference.check_implementation(data, out)
+        if not ok:
+            return f"{where}, input {i + 1} of {len(checks)}: {message}"
+    return None
+
+
+def run_runner_pattern(custom_kernel, args: dict, seed: int, batches: int = BATCHES):
+    """The runner's leaderboard-mode pattern on one benchmark shape (see the module docstring); returns the first
+    failure as one line, or None."""
+    datas = []
+    for i in range(INPUTS_PER_BATCH):
+        datas.append(reference.generate_input(**args, seed=seed + 42 * (i + 1)))
+    checks = [_clone(data) for data in datas]
+    # the obligatory first check, on copies (the runner's order: every call, then every check)
+    first = [custom_kernel(_clone(data)) for data in datas]
+    torch.cuda.synchronize()
+    failure = _first_failure(checks, first, "first check")
+    if failure:
+        return failure
+    flush = torch.empty(FLUSH_BYTES // 4, device="cuda")
+    for batch in range(batches):
+        for data in datas:
+            for _, _, c in data[0]:
+                c.fill_(float("nan"))
+        torch.cuda.synchronize()
+        flush.normal_()
+        outputs = [custom_kernel(data) for data in datas]  # back to back, no sync between calls
+        torch.cuda.synchronize()
+        failure = _first_failure(checks, outputs, f"batch {batch + 1} of {batches}")
+        if failure:
+            return failure
+    return None
+
+
+@pytest.mark.parametrize("variant", _variants(), indirect=True, ids=lambda v: v[1])
+@pytest.mark.parametrize("bench", range(4), ids=lambda b: f"bench{b}")
+def test_runner_pattern(variant, bench):
+    import submission
+
+    args = _benchmarks()[bench]
+    for seed in SEEDS:
+        failure = run_runner_pattern(submission.custom_kernel, args, seed)
+        assert failure is None, f"{variant}, benchmark {bench}, seed {seed}: {failure}"
