@@ -59,6 +59,10 @@ writes submission.py with NAME on its marked default line (DEFAULT_KERNEL_VARIAN
 DEFAULT_SM90_VARIANT for a Hopper one), after checking the copy against FILE_RULES; it refuses to write a
 file that breaks them, and fails if the marked line is not found exactly once. FILE must be new: an existing
 file (submission.py itself included) is overwritten only with --force, and the refusal says when git tracks it.
+`-o -` writes the copy to stdout. FILE names a file, never a directory: a directory, a path ending in '/', an
+empty name or one in a directory that does not exist is refused (output_refusal).
+
+This module is no command of its own: `python bringup.py` names the two above and exits with status 2.
 """
 import argparse
 import concurrent.futures
@@ -239,22 +243,44 @@ def overwrite_refusal(path: Path) -> Optional[str]:
     return f"{path} exists"
 
 
+# `-o -`: the copy goes to stdout.
+STDOUT_NAME = "-"
+
+
+def output_refusal(output: str) -> Optional[str]:
+    """Why export will not write to `output` (whatever --force says), or None: it must name a file, in a
+    directory that exists. A name ending in '/' names a directory, which export never writes into."""
+    if output == "":
+        return f"-o is empty; name the file to write (or {STDOUT_NAME} for stdout)"
+    path = Path(output)
+    if path.is_dir():
+        return f"-o {output} is a directory; name the file to write"
+    if output.endswith(("/", os.sep)):
+        return f"-o {output}: no such directory, and a name ending in '/' is a directory's; name the file to write"
+    if not path.resolve().parent.is_dir():
+        return f"-o {output}: directory {path.parent} does not exist"
+    return None
+
+
 def export_main(argv: list) -> int:
     parser = harness.OneLineArgumentParser(prog="eval.py export",
                             description="Write a copy of submission.py whose default kernel variant is NAME.")
     parser.add_argument("--variant", required=True, metavar="NAME",
                         help="a B200 variant (submission.KERNEL_VARIANTS): the leaderboard file's default")
     parser.add_argument("-o", "--output", required=True, metavar="FILE",
-                        help="where to write the copy: a new file, unless --force")
+                        help=f"where to write the copy: a new file (in a directory that exists), unless --force; "
+                             f"{STDOUT_NAME} for stdout")
     parser.add_argument("--force", action="store_true",
                         help="overwrite FILE if it exists (submission.py itself included)")
     args, status = _parse(parser, argv)
     if args is None:
         return status
-    if Path(args.output).is_dir():
-        print(f"eval.py export: -o {args.output} is a directory; name the file to write", file=sys.stderr)
+    to_stdout = args.output == STDOUT_NAME
+    refusal = None if to_stdout else output_refusal(args.output)
+    if refusal:
+        print(f"eval.py export: {refusal}", file=sys.stderr)
         return 2
-    refusal = overwrite_refusal(Path(args.output))
+    refusal = None if to_stdout else overwrite_refusal(Path(args.output))
     if refusal and not args.force:
         print(f"eval.py export: {refusal}; pass --force to overwrite it, or name a new file", file=sys.stderr)
         return 2
@@ -270,12 +296,18 @@ def export_main(argv: list) -> int:
     except ExportError as err:
         print(f"eval.py export: {err}", file=sys.stderr)
         return 2
+    kind = variant_kind(args.variant, submission.KERNEL_VARIANTS, submission_sm90.SM90_VARIANTS)
+    if to_stdout:  # the copy alone on stdout; what it is, on stderr
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        print(f"eval.py export: wrote submission.py with the line {default_line(kind, args.variant)!r} to stdout",
+              file=sys.stderr)
+        return 0
     try:
         Path(args.output).write_text(text)
     except OSError as err:
         print(f"eval.py export: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
         return 2
-    kind = variant_kind(args.variant, submission.KERNEL_VARIANTS, submission_sm90.SM90_VARIANTS)
     print(f"wrote {args.output}: submission.py with the line {default_line(kind, args.variant)!r}")
     return 0
 
@@ -367,11 +399,7 @@ def pattern_case_args(args: dict, count: int = harness.NUM_ITERATIONS_PER_BENCHM
     return sets
 
 
-def not_applicable(args: dict, tile_n: Optional[int]) -> Optional[str]:
-    """Why a variant that forces tiles `tile_n` wide never runs this case (None: it does)."""
-    if tile_n and any(n % tile_n for n in args["n"]):
-        return f"forces {tile_n}-wide tiles; this case has N % {tile_n} != 0"
-    return None
+not_applicable = harness.not_applicable  # eval.py compile marks the same cases
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1616,7 +1644,8 @@ def bringup_main(argv: list) -> int:
                         help="shorter timeouts and fewer batches of the runner's pattern (the timing stays eval.py "
                              "benchmark's)")
     parser.add_argument("--json", metavar="PATH", help="also write every result as JSON (for a bug report)")
-    parser.add_argument("--variants", metavar="A,B", help="only these variants (default: every one for this GPU)")
+    parser.add_argument("--variants", "--variant", metavar="A,B",
+                        help="only these variants (default: every one for this GPU); --variant is the same option")
     parser.add_argument("--timeout", type=float, metavar="S", help="timeout of one correctness case (s)")
     parser.add_argument("--jobs", type=int, metavar="N",
                         help=f"worker processes building and testing at once (default: one per core, at most "
@@ -1704,7 +1733,7 @@ def bringup_main(argv: list) -> int:
     results = run_variants(plans, cases, benchmarks, limits, jobs=jobs, start_worker=Worker)
     sanitizer = None
     if args.sanitizer:
-        sanitizer = importlib.import_module("eval").find_cuda_tool("compute-sanitizer")
+        sanitizer = harness.find_cuda_tool("compute-sanitizer")
         if sanitizer is None:
             harness.progress("--sanitizer: compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): "
                              "skipped")
@@ -1790,3 +1819,9 @@ def tile_choice_table(num_sms: int = 148) -> str:
 def moe_tile_choice_table(num_sms: int = 148) -> str:
     """_tile_rows_table of the MoE GEMMs of moe_cases()."""
     return _tile_rows_table(moe_cases(), num_sms)
+
+
+if __name__ == "__main__":
+    sys.exit(harness.usage_error("bringup.py", "not a command of its own: run python eval.py bringup (first run on a "
+                                               "GPU) or python eval.py export (a copy with another default); "
+                                               "python eval.py bringup --help lists the options"))

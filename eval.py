@@ -12,7 +12,9 @@ Two ways to run it:
   otherwise); the runner's one-case-per-line text format is read too. `--variants A,B` runs the mode once
   per kernel variant, one table each, selected in the worker as set_variant (B200: persistent, seed, ...)
   or set_sm90_variant (Hopper: sm90_auto, sm90_tile128, ...) would; the names must be of the GPU's own
-  arch (a name of the other arch ends in one line naming its arch, exit status 2).
+  arch (a name of the other arch ends in one line naming its arch, exit status 2). `--variant` is the same
+  option (compile's and export's spelling), here and in bringup; compile and export take `--variant` only,
+  and name it when given `--variants` (an unknown option close to a known one is named with it).
 
 Without a mode (bare `python eval.py`) it prints the modes on stderr and exits with status 2, as argparse
 does for a missing argument: nothing is run.
@@ -21,9 +23,12 @@ does for a missing argument: nothing is run.
 builds every kernel the cases of FILE would run (the tile custom_kernel picks for each case on a B200 with 148
 SMs, or an H100/H200 with 132; one kernel per tile and group count) and prints one row per kernel, named by
 the variant that runs it (the default's own name for the default's builds): OK or the error, registers, shared
-memory per CTA (static, dynamic and their sum), tensor memory and the counts of the SASS instructions that
-matter; then the kernel of every case. It needs `cuobjdump` and `nvdisasm` (the nvidia-cuda-cuobjdump and
-nvidia-cuda-nvdisasm wheels); `python eval.py compile --help` lists the variants of each arch.
+memory per CTA (static, dynamic and their sum), tensor memory, the shared-memory stages (B200: A/B and C
+stages, from submission.kernel_resources; Hopper: the fp4 + scale ring and the fp16 A buffers) and the counts
+of the SASS instructions that matter; then the kernel of every case. A variant that forces one tile (--variant
+persistent_n256, ...) is not built for a case whose N that tile does not divide: the case is marked n/a, as
+bringup skips it. It needs `cuobjdump` and `nvdisasm` (the nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm
+wheels); `python eval.py compile --help` lists the variants of each arch.
 
 A mistake (an unknown mode or option, a case file that does not parse, an unknown key in a case) ends in
 one line on stderr naming it and exit status 2 (113 for a bad case file with `POPCORN_FD` set, as the
@@ -41,7 +46,8 @@ them (on a B200 beside the tile model's prediction); and the fastest passing var
 makes it the default (bringup.py).
 `python eval.py export --variant NAME -o FILE [--force]` needs no GPU: a copy of submission.py whose default
 variant is NAME, checked against the leaderboard's file rules; FILE must not exist yet (an existing file,
-submission.py included, is overwritten only with --force).
+submission.py included, is overwritten only with --force); `-o -` writes it to stdout; a directory, a name
+ending in '/' or an empty one is refused.
 
 Run modes need a CUDA GPU; without one they exit with status 2 and a one-line reason.
 """
@@ -50,7 +56,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,8 +65,8 @@ from typing import Any, Optional
 from harness import (  # noqa: F401  (eval.X names kept for the tests and for scripts that use them)
     BENCHMARK_LIMITS, GENERATOR_KEYS, NUM_ITERATIONS_PER_BENCHMARK, WARMUP_LIMITS, CaseFileError, OneLineArgumentParser,
     Stats, TestCase, _clone_data, _init_worker, _run_single_benchmark, _run_single_profile, _run_single_test, _short,
-    apply_secret_seed, calculate_stats, case_sizes, case_work, fit_label, geomean, gpu_problem, load_cases, make_pool,
-    parse_case_line, progress, usage_error)
+    apply_secret_seed, calculate_stats, case_sizes, case_work, find_cuda_tool, find_cuobjdump, fit_label, geomean,
+    gpu_problem, load_cases, make_pool, not_applicable, parse_case_line, progress, usage_error)
 
 # The runner disables CuTe DSL's on-disk cache so that every benchmark compiles the same way.
 os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
@@ -347,32 +352,6 @@ def human_profile(pool, tests: list[TestCase]) -> int:
 # ---------------------------------------------------------------------------------------------------------
 # compile: build without a GPU and read the SASS
 # ---------------------------------------------------------------------------------------------------------
-def find_cuda_tool(name: str) -> Optional[str]:
-    """`name` on PATH, else from the NVIDIA wheels (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm), else in the
-    CUDA toolkit ($CUDA_HOME/bin, /usr/local/cuda/bin: compute-sanitizer has no wheel)."""
-    found = shutil.which(name)
-    if found:
-        return found
-    try:
-        import nvidia
-    except ImportError:
-        nvidia = None
-    for root in getattr(nvidia, "__path__", []):
-        for candidate in sorted(Path(root).glob(f"*/bin/{name}")):
-            return str(candidate)
-    for base in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if base and (Path(base) / "bin" / name).is_file():
-            return str(Path(base) / "bin" / name)
-    return None
-
-
-def find_cuobjdump() -> Optional[str]:
-    """cuobjdump, usable for SASS only together with nvdisasm (None unless both are found)."""
-    if find_cuda_tool("nvdisasm") is None:
-        return None
-    return find_cuda_tool("cuobjdump")
-
-
 # Runs in a fresh interpreter with CUTE_DSL_ARCH set: builds, then reports as one JSON line. Without a GPU,
 # nvidia-cutlass-dsl 4.3.5 writes the cubin and then fails to load it (no driver): that counts as built.
 _BUILD_SCRIPT = r"""
@@ -581,9 +560,51 @@ def compile_legend(arch: str) -> list:
              "  smem[B]    static + dynamic: what a CTA takes of the 232448 bytes (227 KiB) a block may have"]
     if arch.startswith("sm_10"):
         lines.append("  tmem       tensor-memory columns used/allocated")
+    lines.append(f"  stages     {STAGES_MEANING[arch_family(arch)]}")
     lines.append("  s          seconds the build took (a fresh process: import and build)")
     lines += [f"  {op:<10} count of {SASS_MEANING[op]}" for op in ARCH_SASS_OPS[arch]]
     return lines
+
+
+# What compile's `stages` column counts on each arch (kernel_stages), in its order.
+STAGES_MEANING = {
+    "sm_100a": "shared-memory stages: A/B (TMA loads) / C (epilogue stores), as submission.kernel_resources plans "
+               "them (- where the kernel has no C stages)",
+    "sm_90a": "shared-memory rings: fp4 + scale stages / fp16 A buffers (the Hopper kernel's num_stages / num_a16)",
+}
+
+
+def kernel_stages(arch: str, kernel: PlannedKernel) -> dict:
+    """The pipeline depths of a kernel compile builds, in STAGES_MEANING's order (no build needed); empty
+    where the submission cannot say."""
+    import submission
+
+    try:
+        if arch_family(arch) == "sm_90a":
+            config = submission.backend_for_arch(arch).compile_config(kernel.variant)
+            gemm = hopper_module().Sm90BlockScaledGroupedGemmKernel(kernel.groups, config)
+            return {"ring_stages": gemm.num_stages, "a16_buffers": gemm.num_a16}
+        planned = submission.kernel_resources(kernel.variant)
+        return {"ab_stages": planned["ab_stages"], "c_stages": planned.get("c_stages")}
+    except Exception:
+        return {}
+
+
+def stages_cell(stages: dict) -> str:
+    return "/".join("-" if v is None else str(v) for v in stages.values()) if stages else "?"
+
+
+def forced_tile_n(arch: str, variant: Optional[str]) -> Optional[int]:
+    """The N of the one tile `variant` forces on every case (None where the variant, or the default when
+    None, picks its tile per problem)."""
+    import submission
+
+    if arch_family(arch) == "sm_90a":
+        config = hopper_module().SM90_VARIANT_CONFIGS.get(variant or hopper_module().SM90_VARIANT)
+    else:
+        chosen = variant or submission.KERNEL_VARIANT
+        config = None if chosen in submission.TILE_TABLE_VARIANTS else submission.VARIANT_CONFIGS[chosen]
+    return None if config is None else config.tile_mn[1]
 
 
 def smem_cells(result: dict) -> tuple:
@@ -630,7 +651,7 @@ def compile_main(argv: list[str]) -> int:
     variant_help = "; ".join(f"{arch}: {', '.join(v)}" for arch, v in names.items()) or "see submission.py"
     parser = OneLineArgumentParser(
         prog=prog, description="Build the kernels without a GPU: one row per kernel built (registers, shared and "
-                               "tensor memory, SASS counts), then the kernel each case runs.")
+                               "tensor memory, stages, SASS counts), then the kernel each case runs.")
     parser.add_argument("--arch", default="sm_100a", choices=tuple(COMPILE_NUM_SMS))
     parser.add_argument("cases", nargs="?", help="task.yml (tests and benchmarks; the default) or a runner text file")
     parser.add_argument("--groups", nargs="+", action="extend", default=[], metavar="G",
@@ -663,13 +684,23 @@ def compile_main(argv: list[str]) -> int:
                                  "(pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
 
     arch, variant = args.arch, args.variant
-    wanted = [(_short(c), planned_kernel(arch, variant, c.args["g"], _case_sizes(c))) for c in cases]
-    wanted += [(f"g={g} (--groups)", planned_kernel(arch, variant, g)) for g in groups]
+    # A forced tile that does not divide a case's N never runs it (partial N tiles are never built; bringup
+    # skips such a case as not applicable): the case is marked so, and nothing is built for it.
+    tile_n = forced_tile_n(arch, variant)
+    table = []  # (label, groups, the kernel that runs it or None, why it is not applicable), cases first
+    for case in cases:
+        g, reason = case.args["g"], not_applicable(case.args, tile_n)
+        kernel = None if reason else planned_kernel(arch, variant, g, _case_sizes(case))
+        table.append((_short(case), g, kernel, reason))
+    table += [(f"g={g} (--groups)", g, planned_kernel(arch, variant, g), None) for g in groups]
+    wanted = [(label, kernel) for label, _, kernel, _ in table if kernel is not None]
+    skipped = len(table) - len(wanted)
     kernels = sorted({kernel for _, kernel in wanted}, key=lambda k: (k.groups, k.tile_mn, k.variant))
     builds: dict[PlannedKernel, dict] = {}
     for kernel in kernels:
         progress(f"building {arch} {kernel.label}...")
         builds[kernel] = build_one(kernel.groups, arch, cuobjdump, kernel.variant)
+    stages = {kernel: kernel_stages(arch, kernel) for kernel in kernels}
 
     if arch.startswith("sm_90"):
         chosen, setter = variant or hopper_module().SM90_VARIANT, "set_sm90_variant"
@@ -680,12 +711,15 @@ def compile_main(argv: list[str]) -> int:
     how = (f"each case's tile as custom_kernel picks it on {COMPILE_GPUS[arch]} ({COMPILE_NUM_SMS[arch]} SMs)"
            if per_problem else f"variant {chosen} for every case, as custom_kernel runs it after {setter}({chosen!r})")
     print(f"{arch}: {len(kernels)} kernel{'s' if len(kernels) != 1 else ''} built (variant, tile MxN, groups); {how}")
+    if skipped:
+        print(f"{arch}: {skipped} case{'s' if skipped != 1 else ''} not applicable: {chosen} forces {tile_n}-wide "
+              f"tiles, and their N is not a multiple of {tile_n} (marked n/a below; nothing built for them)")
     print("\n".join(compile_legend(arch)))
     blackwell = arch.startswith("sm_10")
     ops = ARCH_SASS_OPS[arch]
-    width = max(len("kernel"), *(len(k.label) for k in kernels))
+    width = max([len("kernel"), *(len(k.label) for k in kernels)])
     print(f"{'kernel':<{width}} {'status':<6} {'regs':>4} {'static[B]':>9} {'dynamic[B]':>10} {'smem[B]':>9} "
-          + (f"{'tmem':>7} " if blackwell else "") + f"{'s':>5}  " + " ".join(f"{op:>7}" for op in ops))
+          + (f"{'tmem':>7} " if blackwell else "") + f"{'stages':>6} {'s':>5}  " + " ".join(f"{op:>7}" for op in ops))
     failed = False
     for kernel in kernels:
         result = builds[kernel]
@@ -694,17 +728,24 @@ def compile_main(argv: list[str]) -> int:
         failed |= not result["ok"]
         print(f"{kernel.label:<{width}} {'OK' if result['ok'] else 'ERROR':<6} {res.get('REG', '?'):>4} {static:>9} "
               f"{dynamic:>10} {total:>9} " + (f"{info.get('tmem_cols', '-'):>7} " if blackwell else "")
-              + f"{result.get('seconds', '?'):>5}  " + " ".join(f"{sass.get(op, '?'):>7}" for op in ops))
+              + f"{stages_cell(stages[kernel]):>6} {result.get('seconds', '?'):>5}  "
+              + " ".join(f"{sass.get(op, '?'):>7}" for op in ops))
         if not result["ok"]:
             print(f"    {result['error']}")
     print(f"\n{'kernel':<{width}} case")
-    for label, kernel in wanted:
-        print(f"{kernel.label:<{width}} {label}")
+    for label, _, kernel, reason in table:
+        if kernel is None:
+            print(f"{'n/a':<{width}} {label}   (not applicable: {chosen} {reason})")
+        else:
+            print(f"{kernel.label:<{width}} {label}")
     if args.json:
-        report = [dict(builds[kernel], case=label, groups=kernel.groups, arch=arch, variant=kernel.shown,
+        report = [dict(case=label, groups=g, arch=arch, variant=chosen, ok=None, not_applicable=reason)
+                  if kernel is None else
+                  dict(builds[kernel], case=label, groups=kernel.groups, arch=arch, variant=kernel.shown,
                        built_as=kernel.variant, kernel=kernel.label, tile_mn=list(kernel.tile_mn),
-                       smem=dict(zip(("static", "dynamic", "total"), smem_cells(builds[kernel]))))
-                  for label, kernel in wanted]
+                       smem=dict(zip(("static", "dynamic", "total"), smem_cells(builds[kernel]))),
+                       stages=stages[kernel])
+                  for label, g, kernel, reason in table]
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     return 1 if failed else 0
 
@@ -732,6 +773,8 @@ def _submission_problem(variants: Optional[list[str]]) -> Optional[str]:
     Checked here because the workers would only fail on it with a traceback, once per case."""
     try:
         import submission
+
+        hopper_module()  # NVFP4_SM90_VARIANT is read there
     except Exception as err:
         return f"cannot import submission.py: {type(err).__name__}: {err}"
     if variants is None:
@@ -829,10 +872,10 @@ def mode_parser(mode: str) -> OneLineArgumentParser:
         epilog="With POPCORN_FD set, eval.py speaks the GPU MODE runner's protocol instead (python eval.py --help).")
     parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"), metavar="FILE",
                         help=f"task.yml (its '{section}' list; the default) or a runner text file, one case per line")
-    parser.add_argument("--variants", metavar="A,B",
+    parser.add_argument("--variants", "--variant", metavar="A,B",
                         help="run the mode once per kernel variant, comma-separated, one table each; the names of "
                              "the GPU's own arch, selected as set_variant (B200) or set_sm90_variant (Hopper) would "
-                             f"({names})")
+                             f"({names}); --variant is the same option")
     parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     return parser
 
@@ -848,7 +891,7 @@ def main(argv: list[str]) -> int:
     parser = OneLineArgumentParser(prog="eval.py", add_help=False)
     parser.add_argument("mode", nargs="?")
     parser.add_argument("cases", nargs="?", default=str(HERE / "task.yml"))
-    parser.add_argument("--variants", metavar="A,B")
+    parser.add_argument("--variants", "--variant", metavar="A,B")  # --variant: compile's and export's spelling
     parser.add_argument("-h", "--help", action="store_true")
     if fd:  # the runner's protocol: its own arguments, MODE FILE
         mode = argv[0] if argv else None

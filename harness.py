@@ -1,15 +1,19 @@
 """What eval.py, bringup.py and bench.py share: the case files (parsing, checks, the runner's seed mix),
-the runner's statistics and timing method, the work done in a worker process, and the one-line usage errors.
+the runner's statistics and timing method, the work done in a worker process, the one-line usage errors,
+the CUDA tools (cuobjdump, nvdisasm, compute-sanitizer) and which cases a forced tile cannot run.
 
-No module of this repository imports eval.py or bringup.py from here, so that every one of them can import
-this one without an import circle (tests/test_cli.py checks it).
+eval.py imports bringup.py (for its bringup and export modes); neither is imported from here, and bringup.py
+does not import eval.py, so that the modules import one another without a circle (tests/test_imports.py
+checks it).
 """
 import argparse
 import dataclasses
+import difflib
 import math
 import multiprocessing
 import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -233,6 +237,14 @@ def apply_secret_seed(cases: list[TestCase], seed: Optional[int]) -> None:
                 case.args["seed"] = _combine(case.args["seed"], seed)
 
 
+def not_applicable(args: dict, tile_n: Optional[int]) -> Optional[str]:
+    """Why a variant that forces tiles `tile_n` wide never runs this case (None: it does). Partial N tiles are
+    never built, so such a variant is not run on the case (bringup) nor built for it (compile)."""
+    if tile_n and any(n % tile_n for n in args["n"]):
+        return f"forces {tile_n}-wide tiles; this case has N % {tile_n} != 0"
+    return None
+
+
 def case_work(args: dict) -> tuple[float, float]:
     """(FLOPs, fewest bytes moved) of one call: fp4 A and B, e4m3 scales, fp16 C written once."""
     flops = bytes_ = 0.0
@@ -279,15 +291,66 @@ def progress(message: str) -> None:
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage mistakes are one line on stderr and exit 2 (argparse's own adds the usage block)."""
+    """argparse whose usage mistakes are one line on stderr and exit 2 (argparse's own adds the usage block).
+    An option it does not know that is close to one it does (`--variants` where it takes `--variant`) is named
+    with the right one, whatever argparse stumbled on first (a required option's absence, say)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def misspelt_option(self) -> Optional[str]:
+        """`--x: did you mean --y?` for the first option given that this parser does not take (nor takes a
+        prefix of) and that is close to one it takes; None where there is none."""
+        known = [option for option in self._option_string_actions if option.startswith("--")]
+        for token in getattr(self, "_given", []):
+            if token == "--":
+                break
+            name = token.split("=", 1)[0]
+            if not name.startswith("--") or any(option.startswith(name) for option in known):
+                continue
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+            if close:
+                return f"unrecognized option {name}: did you mean {close[0]}?"
+        return None
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: {message} (--help for usage)\n")
+        self.exit(2, f"{self.prog}: {self.misspelt_option() or message} (--help for usage)\n")
 
 
 def usage_error(prog: str, message: str) -> int:
     print(f"{prog}: {message}", file=sys.stderr)
     return 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The CUDA tools: eval.py compile reads SASS with cuobjdump and nvdisasm; bringup --sanitizer runs
+# compute-sanitizer
+# ---------------------------------------------------------------------------------------------------------
+def find_cuda_tool(name: str) -> Optional[str]:
+    """`name` on PATH, else from the NVIDIA wheels (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm), else in the
+    CUDA toolkit ($CUDA_HOME/bin, /usr/local/cuda/bin: compute-sanitizer has no wheel)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        nvidia = None
+    for root in getattr(nvidia, "__path__", []):
+        for candidate in sorted(Path(root).glob(f"*/bin/{name}")):
+            return str(candidate)
+    for base in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if base and (Path(base) / "bin" / name).is_file():
+            return str(Path(base) / "bin" / name)
+    return None
+
+
+def find_cuobjdump() -> Optional[str]:
+    """cuobjdump, usable for SASS only together with nvdisasm (None unless both are found)."""
+    if find_cuda_tool("nvdisasm") is None:
+        return None
+    return find_cuda_tool("cuobjdump")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -108,10 +108,15 @@ def fence_smem_for_async_proxy():
 # ---------------------------------------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------------------------------------
-def _choice_from_env(variable: str, default: str, choices: tuple) -> str:
-    """Environment variable `variable` (`default` when unset or empty), which must be one of `choices`."""
+def _choice_from_env(variable: str, default: str, choices: tuple, other: Optional[tuple] = None) -> str:
+    """Environment variable `variable` (`default` when unset or empty), which must be one of `choices`.
+    `other`: (the variable of the other arch's variants, what they are called, a test of a name): a name that
+    passes the test is pointed to that variable."""
     value = os.environ.get(variable) or default
     if value not in choices:
+        if other is not None and other[2](value):
+            raise ValueError(f"{variable}={value!r}: {other[1]} variants are set with {other[0]}, not {variable}, "
+                             f"which takes one of {', '.join(choices)}")
         raise ValueError(f"{variable}={value!r}: choose one of {', '.join(choices)}")
     return value
 
@@ -354,9 +359,11 @@ KERNEL_VARIANTS = tuple(VARIANT_CONFIGS)
 # The default variant, on the one marked line `eval.py export --variant NAME -o FILE` rewrites (or edit it by
 # hand). eval.py's spawned workers may start on another through the environment; the leaderboard never does.
 DEFAULT_KERNEL_VARIANT = "persistent"  # eval.py export --variant NAME rewrites this line
-KERNEL_VARIANT = _choice_from_env("NVFP4_KERNEL_VARIANT", DEFAULT_KERNEL_VARIANT, KERNEL_VARIANTS)
-# Every Hopper variant's name starts so (submission_sm90.SM90_VARIANTS): set_variant names the right setter.
+# Every Hopper variant's name starts so (submission_sm90.SM90_VARIANTS): set_variant and NVFP4_KERNEL_VARIANT
+# name the Hopper setter and variable.
 SM90_VARIANT_PREFIX = "sm90_"
+KERNEL_VARIANT = _choice_from_env("NVFP4_KERNEL_VARIANT", DEFAULT_KERNEL_VARIANT, KERNEL_VARIANTS,
+                                  ("NVFP4_SM90_VARIANT", "Hopper (sm90_*)", lambda n: n.startswith(SM90_VARIANT_PREFIX)))
 
 
 def set_variant(name: str) -> None:

@@ -659,7 +659,8 @@ def sm90_work_words(problem_sizes: tuple, num_sms: int, widths: tuple, split_k: 
 # is; NVFP4_SM90_VARIANT=name at import, set_sm90_variant(name) at run time.
 SM90_VARIANTS = ("sm90_auto", *SM90_VARIANT_CONFIGS)
 DEFAULT_SM90_VARIANT = "sm90_auto"
-SM90_VARIANT = _choice_from_env("NVFP4_SM90_VARIANT", DEFAULT_SM90_VARIANT, SM90_VARIANTS)
+SM90_VARIANT = _choice_from_env("NVFP4_SM90_VARIANT", DEFAULT_SM90_VARIANT, SM90_VARIANTS,
+                                ("NVFP4_KERNEL_VARIANT", "B200", lambda name: name in KERNEL_VARIANTS))
 
 
 def set_sm90_variant(name: str) -> None:

@@ -3,6 +3,7 @@
 The decoder here is written from the bit definitions of e2m1 and e4m3 (OCP Microscaling spec), not from
 reference.py, so that the reference is checked against something it does not share code with.
 """
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -105,6 +106,33 @@ def check_table_rows(table_buffer: torch.Tensor, data) -> None:
     assert table_buffer[:groups * len(submission.PtrColumn)].view(groups, -1).tolist() == pointers
     sizes = table_buffer[ptr_words:table_words].view(torch.int32).view(groups, -1).tolist()
     assert sizes == [list(size) for size in data[3]]
+
+
+def _dsl_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+@pytest.fixture(autouse=True)
+def announce_build(request):
+    """A test marked `build` spends up to minutes in kernel builds, with nothing but a dot (-q, or none) to show:
+    one line on the terminal first names it (its arch and variant are in its name and parameters) and the DSL.
+    With -v pytest names each test as it starts already."""
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    if (request.node.get_closest_marker("build") is not None and reporter is not None
+            and request.config.getoption("verbose") <= 0):
+        # past the output capture, as capsys.disabled() is; on a line of its own after the dots
+        with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+            reporter.ensure_newline()
+            if getattr(getattr(reporter, "_tw", None), "width_of_current_line", 0):
+                reporter.write("\n")
+            reporter.write_line(f"building: {request.node.nodeid} (nvidia-cutlass-dsl {_dsl_version()})")
+    yield
 
 
 def load_task_yml() -> dict:

@@ -1255,7 +1255,7 @@ def test_bringup_on_a_fake_b200_runs_the_pattern_descriptor_check_and_memcheck(m
     _fake_gpu(monkeypatch, (10, 0), "NVIDIA B200", 148)
     fakes = FakeGpuWorkers("NVFP4_KERNEL_VARIANT", {name: 10.0 for name in submission.KERNEL_VARIANTS})
     monkeypatch.setattr(bringup, "Worker", fakes.Worker)
-    monkeypatch.setattr(ev, "find_cuda_tool", lambda name: tool if name == "compute-sanitizer" else None)
+    monkeypatch.setattr(harness, "find_cuda_tool", lambda name: tool if name == "compute-sanitizer" else None)
     sanitized = []
 
     def run_sanitizer(plans, benchmarks, sanitizer):

@@ -902,6 +902,248 @@ def test_the_tile_table_says_its_stage_counts_are_derived():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# export's output path: where the user said, or one line saying why not
+# ---------------------------------------------------------------------------------------------------------
+def _exported(variant: str) -> str:
+    import bringup
+
+    return bringup.export_text((ROOT / "submission.py").read_text(), variant, submission.KERNEL_VARIANTS,
+                               submission_sm90.SM90_VARIANTS)
+
+
+def test_export_to_dash_writes_the_copy_to_stdout(tmp_path, capsys, monkeypatch):
+    # Regression: `-o -` wrote a 160 KB file named '-' and exited 0.
+    import bringup
+
+    monkeypatch.chdir(tmp_path)
+    assert bringup.export_main(["--variant", "seed", "-o", "-"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == _exported("seed") and list(tmp_path.iterdir()) == []
+    (line,) = captured.err.splitlines()
+    assert line.startswith("eval.py export: wrote submission.py") and line.endswith("to stdout"), line
+
+
+def test_export_to_dash_in_a_subprocess(tmp_path):
+    proc = run("eval.py", "export", "--variant", "seed", "-o", "-")
+    assert proc.returncode == 0 and proc.stdout == _exported("seed"), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and not (ROOT / "-").exists()
+
+
+@pytest.mark.parametrize("output,pieces", [
+    ("", ["-o is empty", "name the file to write", "- for stdout"]),  # was: "-o  is a directory"
+    ("newdir/", ["-o newdir/", "no such directory", "ending in '/'"]),  # was: a file named newdir, exit 0
+    ("newdir/sub.py", ["-o newdir/sub.py", "directory newdir does not exist"]),
+    ("here/", ["-o here/ is a directory"]),  # an existing directory: never written into
+    ("here", ["-o here is a directory"]),
+    ("sub.py/", ["-o sub.py/", "ending in '/'"]),  # a file's name with a '/': not that file
+])
+def test_export_refuses_an_output_that_is_no_file_s_name(tmp_path, capsys, monkeypatch, output, pieces):
+    import bringup
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here").mkdir()
+    (tmp_path / "sub.py").write_text("mine\n")
+    for force in ([], ["--force"]):
+        line = in_process_line(capsys, bringup.export_main(["--variant", "seed", "-o", output, *force]), 2)
+        assert line.startswith("eval.py export: ") and all(piece in line for piece in pieces), line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["here", "sub.py"]  # nothing written
+    assert list((tmp_path / "here").iterdir()) == [] and (tmp_path / "sub.py").read_text() == "mine\n"
+
+
+def test_export_writes_exactly_where_it_is_told(tmp_path, capsys, monkeypatch):
+    import bringup
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    assert bringup.export_main(["--variant", "seed", "-o", "a/b/copy.py"]) == 0
+    assert (tmp_path / "a" / "b" / "copy.py").read_text() == _exported("seed")
+    assert [str(path.relative_to(tmp_path)) for path in sorted(tmp_path.rglob("*"))] == ["a", "a/b", "a/b/copy.py"]
+    assert capsys.readouterr().out.startswith("wrote a/b/copy.py: ")
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs git and a checkout")
+def test_the_readme_s_export_examples_write_git_ignored_files():
+    # Regression: the README's `eval.py export --variant seed -o sub_seed.py` left sub_seed.py untracked in
+    # the repository root.
+    outputs = re.findall(r"eval\.py export --variant \w+ -o (\S+)", (ROOT / "README.md").read_text())
+    assert outputs
+    for output in outputs:
+        proc = subprocess.run(["git", "check-ignore", "-q", output], cwd=ROOT, timeout=60)
+        assert proc.returncode == 0, f"{output} is not git-ignored"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Flag spellings: --variant (compile, export) and --variants (the run modes, bringup)
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,right", [
+    (["compile", "--variants", "seed"], "--variant"),
+    (["export", "--variants", "seed", "-o", "x.py"], "--variant"),  # not argparse's "--variant is required"
+    (["export", "--variants=seed", "-o", "x.py"], "--variant"),
+    (["compile", "--grups", "2"], "--groups"),
+])
+def test_a_near_miss_flag_names_the_right_one(tmp_path, capsys, monkeypatch, argv, right):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ev, "build_one", _refuse_build)
+    line = in_process_line(capsys, _exit_code(ev.main, argv), 2)
+    wrong = argv[1].split("=")[0]
+    assert line == f"eval.py {argv[0]}: unrecognized option {wrong}: did you mean {right}? (--help for usage)", line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_near_miss_flag_in_a_subprocess():
+    line = one_line(run("eval.py", "compile", "--variants", "persistent_n64"), 2)
+    assert "did you mean --variant?" in line
+
+
+@pytest.mark.parametrize("spelling", ["--variants", "--variant"])
+def test_the_run_modes_and_bringup_take_both_spellings(capsys, monkeypatch, spelling):
+    import bringup
+
+    monkeypatch.setattr(ev, "gpu_problem", _refuse_gpu)
+    line = in_process_line(capsys, ev.main(["test", spelling, "nonsense"]), 2)
+    assert "--variants: unknown kernel variant 'nonsense'" in line, line
+    line = in_process_line(capsys, bringup.bringup_main([spelling, "nonsense"]), 2)
+    assert "--variants: 'nonsense': not a variant" in line, line
+
+
+def test_the_run_modes_document_the_other_spelling(capsys):
+    assert ev.main(["benchmark", "--help"]) == 0
+    assert "--variant is the same option" in " ".join(capsys.readouterr().out.split())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compile: a forced tile that does not divide a case's N; the stage counts
+# ---------------------------------------------------------------------------------------------------------
+def test_compile_marks_the_cases_a_forced_tile_cannot_run(tmp_path, capsys, fake_builds):
+    # Regression: `compile --variant persistent_n256` listed the N = 128 and N = 384 cases as run by 128x256
+    # tiles (partial N tiles are never built; bringup calls them not applicable) and built for them.
+    report = tmp_path / "report.json"
+    assert ev.compile_main(["--variant", "persistent_n256", str(ROOT / "task.yml"), "--json", str(report)]) == 0
+    cases = ev.load_cases(str(ROOT / "task.yml"), ("tests", "benchmarks"))
+    runs = [c for c in cases if all(n % 256 == 0 for n in c.args["n"])]
+    assert 0 < len(runs) < len(cases)
+    assert sorted({g for g, _, _ in fake_builds.calls}) == sorted({c.args["g"] for c in runs})
+    out = capsys.readouterr().out
+    assert f"{len(cases) - len(runs)} cases not applicable: persistent_n256 forces 256-wide tiles" in out
+    case_rows = out.split("\nkernel", 2)[2].splitlines()[1:]
+    assert len(case_rows) == len(cases)
+    for case, row in zip(cases, case_rows):
+        if case in runs:
+            assert row.startswith("persistent_n256 128x256 ") and row.endswith(ev._short(case)), row
+        else:
+            assert row.startswith("n/a ") and "not applicable: persistent_n256 forces 256-wide tiles" in row, row
+    entries = json.loads(report.read_text())
+    assert [e["case"] for e in entries] == [ev._short(c) for c in cases]
+    for case, entry in zip(cases, entries):
+        assert ("not_applicable" in entry) == (case not in runs), entry
+        assert entry["groups"] == case.args["g"]
+
+
+def test_compile_builds_nothing_where_no_case_fits_the_forced_tile(tmp_path, capsys, fake_builds):
+    cases = tmp_path / "cases.txt"
+    cases.write_text("m: [64]; n: [128]; k: [256]; g: 1; seed: 1\n")
+    assert ev.compile_main(["--variant", "persistent_n256", str(cases)]) == 0
+    assert fake_builds.calls == []
+    assert "1 case not applicable" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arch,variant", [("sm_100a", None), ("sm_100a", "persistent_n64"), ("sm_100a", "seed"),
+                                          ("sm_90a", None), ("sm_90a", "sm90_a16_pairs")])
+def test_compile_shows_each_kernel_s_stage_counts(tmp_path, capsys, fake_builds, arch, variant):
+    # Regression: the B200 stage counts (5 A/B and 5 C stages at 128x128) showed only through
+    # submission.kernel_resources(), which only docs/B200_DESIGN.md named.
+    report = tmp_path / "report.json"
+    argv = ["--arch", arch, "--groups", "2", str(ROOT / "task.yml"), "--json", str(report)]
+    assert ev.compile_main(argv + (["--variant", variant] if variant else [])) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert any(line.startswith("  stages ") for line in lines)
+    head = next(i for i, line in enumerate(lines) if line.startswith("kernel") and "status" in line)
+    column = lines[head].split().index("stages") - len(lines[head].split())  # from the right: labels have spaces
+    for entry in json.loads(report.read_text()):
+        if arch == "sm_100a":
+            planned = submission.kernel_resources(entry["built_as"])
+            expected = {"ab_stages": planned["ab_stages"], "c_stages": planned.get("c_stages")}
+        else:
+            config = submission_sm90.SM90_VARIANT_CONFIGS[entry["built_as"]]
+            gemm = submission_sm90.Sm90BlockScaledGroupedGemmKernel(entry["groups"], config)
+            expected = {"ring_stages": gemm.num_stages, "a16_buffers": gemm.num_a16}
+        assert entry["stages"] == expected, entry
+        (row,) = [line for line in lines[head + 1:] if line.startswith(entry["kernel"] + " ") and " OK " in line]
+        assert row.split()[column] == "/".join("-" if v is None else str(v) for v in expected.values()), row
+    if arch == "sm_100a" and variant is None:  # the figures the design document quotes for 128x128
+        assert entry["stages"] == {"ab_stages": 5, "c_stages": 5}
+    if variant == "seed":
+        assert entry["stages"] == {"ab_stages": 1, "c_stages": None}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bringup.py run by itself; a variable of the other arch
+# ---------------------------------------------------------------------------------------------------------
+def test_bringup_py_run_by_itself_points_to_eval_py():
+    # Regression: `python bringup.py` printed nothing and exited 0.
+    proc = run("bringup.py", "--quick")
+    line = one_line(proc, 2)
+    assert line.startswith("bringup.py: ") and "python eval.py bringup" in line and "eval.py export" in line
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("variable,value,other", [("NVFP4_KERNEL_VARIANT", "sm90_auto", "NVFP4_SM90_VARIANT"),
+                                                  ("NVFP4_KERNEL_VARIANT", "sm90_x", "NVFP4_SM90_VARIANT"),
+                                                  ("NVFP4_SM90_VARIANT", "persistent", "NVFP4_KERNEL_VARIANT")])
+def test_a_variant_in_the_other_arch_s_variable_names_the_right_one(variable, value, other):
+    # Regression: NVFP4_KERNEL_VARIANT=sm90_auto failed the import with the B200 names only, no word of
+    # NVFP4_SM90_VARIANT.
+    own = submission.KERNEL_VARIANTS if variable == "NVFP4_KERNEL_VARIANT" else submission_sm90.SM90_VARIANTS
+    line = one_line(run("eval.py", "test", env={variable: value}), 2)
+    assert f"{variable}={value!r}" in line and f"set with {other}, not {variable}" in line, line
+    assert all(name in line for name in own), line
+    # importing the module itself: a traceback, whose last line says the same
+    module = "submission" if variable == "NVFP4_KERNEL_VARIANT" else "submission_sm90"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVFP4_")}
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, env=dict(env, **{variable: value}),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and f"set with {other}, not {variable}" in proc.stderr.splitlines()[-1], proc.stderr
+
+
+def test_a_name_of_neither_arch_lists_the_variable_s_own_names(monkeypatch):
+    other = ("NVFP4_SM90_VARIANT", "Hopper (sm90_*)", lambda name: name.startswith("sm90_"))
+    monkeypatch.setenv("NVFP4_KERNEL_VARIANT", "bogus")
+    with pytest.raises(ValueError) as raised:
+        submission._choice_from_env("NVFP4_KERNEL_VARIANT", "x", ("x", "y"), other)
+    assert str(raised.value) == "NVFP4_KERNEL_VARIANT='bogus': choose one of x, y"
+    monkeypatch.setenv("NVFP4_KERNEL_VARIANT", "y")
+    assert submission._choice_from_env("NVFP4_KERNEL_VARIANT", "x", ("x", "y"), other) == "y"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pytest -m build says what it builds
+# ---------------------------------------------------------------------------------------------------------
+def test_a_build_test_names_itself_on_the_terminal_under_q(tmp_path):
+    # Regression: `pytest -m build` printed only dots for minutes.
+    (tmp_path / "test_probe.py").write_text(textwrap.dedent("""
+        import pytest
+
+        def test_plain():
+            pass
+
+        @pytest.mark.build
+        @pytest.mark.parametrize("variant", ["persistent_n64"])
+        def test_sm100a_probe(variant):
+            pass
+    """))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVFP4_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                           "-W", "ignore::pytest.PytestUnknownMarkWarning", "test_probe.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    announced = [line for line in proc.stdout.splitlines() if "building: " in line]
+    assert len(announced) == 1 and announced[0].startswith("building: "), proc.stdout  # a line of its own
+    assert "test_probe.py::test_sm100a_probe[persistent_n64]" in announced[0] and "nvidia-cutlass-dsl" in announced[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # A real build (minutes on a small CPU; marked build)
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.build
