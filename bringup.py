@@ -24,7 +24,8 @@ bringup (needs a B200, or an H100/H200 for the Hopper tiles):
    runner's own pattern with every result checked (job_pattern): each benchmark's 15 input sets called back
    to back, in several batches on the same inputs, outputs NaN-poisoned before each batch; and on a B200 the
    TMA descriptors of one call of the skewed case read back from the launch's workspace, bit 85 reported
-   per group and operand (job_descriptors: the kernels clear it; a set bit fails the variant);
+   per group and operand (job_descriptors: the kernels clear it; a set bit fails the variant), and bytes
+   64-127 of each per operand (the template's, staged whole: reported, not judged);
 3. times the task.yml benchmarks of every variant that failed no check, once every build and test worker
    has exited: one variant at a time, each in a fresh worker of its own (closed, with its inputs and its L2
    flush tensor, before the next variant's starts), which builds the benchmarks' kernels and then runs
@@ -595,30 +596,59 @@ def job_pattern(args: dict, repeats: int) -> dict:
 # of its 64-bit word 1. A descriptor is 128 bytes, 16 such words.
 DESCRIPTOR_BIT = 85
 DESCRIPTOR_WORDS = 16
+# Bytes 64-127 of a descriptor (words 8-15): what DSL 4.5.2 and 4.8.1 left unstaged before the kernels staged
+# the templates whole (submission.stage_descriptor_templates); the read-back reports them.
+DESCRIPTOR_UPPER_WORDS = slice(8, 16)
 
 
-def descriptor_bit85(workspace, slots: int) -> list:
-    """Bit 85 of every TMA descriptor of a descriptor workspace: `workspace` holds int64 words, rows of `slots`
-    descriptors of DESCRIPTOR_WORDS words each, in order (any shape, any device); returns [[0 or 1 per slot]
-    per row]."""
+def _descriptor_table(workspace, slots: int):
+    """`workspace` (int64 words, rows of `slots` descriptors of DESCRIPTOR_WORDS words each, in order; any
+    shape, any device) as a CPU tensor [rows, slots, DESCRIPTOR_WORDS]."""
     import torch
 
     words = workspace.reshape(-1)
     if words.dtype != torch.int64 or words.numel() % (slots * DESCRIPTOR_WORDS):
         raise ValueError(f"a workspace of {words.numel()} {words.dtype} words is not rows of {slots} descriptors "
                          f"of {DESCRIPTOR_WORDS} int64 words")
-    table = words.cpu().view(-1, slots, DESCRIPTOR_WORDS)
+    return words.cpu().view(-1, slots, DESCRIPTOR_WORDS)
+
+
+def descriptor_bit85(workspace, slots: int) -> list:
+    """Bit 85 of every TMA descriptor of a descriptor workspace (`_descriptor_table`): [[0 or 1 per slot] per
+    row]."""
     word, bit = divmod(DESCRIPTOR_BIT, 64)
-    return ((table[:, :, word] >> bit) & 1).tolist()
+    return ((_descriptor_table(workspace, slots)[:, :, word] >> bit) & 1).tolist()
 
 
-def descriptor_outcome(bits: list, operands: list, row_kind: str) -> dict:
+def descriptor_upper_bytes(workspace, slots: int) -> list:
+    """Bytes 64-127 of every TMA descriptor of a descriptor workspace (`_descriptor_table`), each as 128 hex
+    digits in memory order: [[one per slot] per row]."""
+    import torch
+
+    upper = _descriptor_table(workspace, slots)[:, :, DESCRIPTOR_UPPER_WORDS].contiguous()
+    return [[bytes(descriptor.view(torch.uint8).tolist()).hex() for descriptor in row] for row in upper]
+
+
+def upper_bytes_summary(upper: list, operands: list) -> dict:
+    """Per operand, each distinct value of bytes 64-127 (`descriptor_upper_bytes`) over the written rows (None:
+    never written) and how many rows hold it."""
+    summary = {operand: {} for operand in operands}
+    for row in upper:
+        for operand, value in zip(operands, row or ()):
+            summary[operand][value] = summary[operand].get(value, 0) + 1
+    return summary
+
+
+def descriptor_outcome(bits: list, operands: list, row_kind: str, upper: Optional[list] = None) -> dict:
     """job_descriptors' answer: the bits per row ("group" or "tile") and operand, None for a row never written
-    (an empty group's); "fail" if any is set."""
+    (an empty group's); "fail" if any is set. With `upper` (`descriptor_upper_bytes`, the same rows None), the
+    distinct values of bytes 64-127 per operand (`upper_bytes_summary`): reported, never a failure."""
     set_in = [f"{row_kind} {row} {operands[slot]}" for row, values in enumerate(bits) if values is not None
               for slot, value in enumerate(values) if value]
     outcome = dict(status="fail" if set_in else "ok", row_kind=row_kind, operands=list(operands), bit85=bits,
                    set_in=set_in)
+    if upper is not None:
+        outcome["upper_bytes"] = upper_bytes_summary(upper, operands)
     if set_in:
         written = sum(values is not None for values in bits)
         outcome["error"] = (f"bit 85 set in {len(set_in)} of {written * len(operands)} descriptors: "
@@ -630,7 +660,7 @@ def descriptor_outcome(bits: list, operands: list, row_kind: str) -> dict:
 def job_descriptors(args: dict) -> dict:
     """B200: one call of the case, then every TMA descriptor its kernels used, read back from the launch's
     workspace (submission.launch_metadata, the call's own cache entry): bit 85 per group and operand (the
-    seed: per tile, A, B, SFA, SFB)."""
+    seed: per tile, A, B, SFA, SFB), and the values bytes 64-127 take per operand."""
     import torch
 
     import submission
@@ -653,9 +683,11 @@ def job_descriptors(args: dict) -> dict:
     else:
         operands, row_kind = [slot.name for slot in submission.TensorMapSlot], "tile"
     bits = descriptor_bit85(workspace, len(operands))
+    upper = descriptor_upper_bytes(workspace, len(operands))
     if row_kind == "group":  # an empty group has no descriptors: its row was never written
         bits = [values if size[0] else None for values, size in zip(bits, data[3])]
-    outcome = descriptor_outcome(bits, operands, row_kind)
+        upper = [values if size[0] else None for values, size in zip(upper, data[3])]
+    outcome = descriptor_outcome(bits, operands, row_kind, upper)
     return dict(outcome, seconds=round(time.perf_counter() - start, 2))
 
 
@@ -1388,15 +1420,41 @@ def _bench_cell(entry: Optional[dict]) -> str:
 
 def format_descriptor_bits(name: str, outcome: dict) -> list:
     """Report lines of one variant's descriptor read-back (job_descriptors): bit 85 per group and operand, or
-    for many rows (the seed's per-tile descriptors) the count and where it is set."""
+    for many rows (the seed's per-tile descriptors) the count and where it is set; then bytes 64-127 per
+    operand (`format_upper_bytes`)."""
     if "bit85" not in outcome:
         return [f"  {name:<20} {_cell(outcome)}: {outcome.get('error', '')}"]
     rows, operands, kind = outcome["bit85"], outcome["operands"], outcome["row_kind"]
     if len(rows) > 8:
         where = f": {', '.join(outcome['set_in'][:6])}" if outcome["set_in"] else ""
-        return [f"  {name:<20} {len(rows)} {kind}s x {', '.join(operands)}: set in {len(outcome['set_in'])}{where}"]
-    return [f"  {name:<20} {kind} {row}: " + " ".join(f"{op}={bit}" for op, bit in zip(operands, bits))
-            for row, bits in enumerate(rows)]
+        lines = [f"  {name:<20} {len(rows)} {kind}s x {', '.join(operands)}: set in {len(outcome['set_in'])}{where}"]
+    else:
+        lines = [f"  {name:<20} {kind} {row}: " + (" ".join(f"{op}={bit}" for op, bit in zip(operands, bits))
+                                                     if bits is not None else "never written (empty)")
+                 for row, bits in enumerate(rows)]
+    return lines + format_upper_bytes(name, outcome)
+
+
+def format_upper_bytes(name: str, outcome: dict) -> list:
+    """Report lines of bytes 64-127 of a variant's descriptors (`upper_bytes_summary`), one per operand: "zero"
+    or the 128 hex digits where every written row holds the same value, else how many values over how many
+    rows and the three commonest with their counts."""
+    upper = outcome.get("upper_bytes")
+    if upper is None:
+        return []
+    lines = []
+    for operand, values in upper.items():
+        rows = sum(values.values())
+        if len(values) == 1:
+            value = next(iter(values))
+            text = "zero" if not value.strip("0") else value
+            lines.append(f"  {name:<20} bytes 64-127 of {operand} ({rows} {outcome['row_kind']}s): {text}")
+        else:
+            shown = sorted(values.items(), key=lambda item: -item[1])[:3]
+            counts = ", ".join(f"{value} x{count}" for value, count in shown) + (" ..." if len(values) > 3 else "")
+            lines.append(f"  {name:<20} bytes 64-127 of {operand}: {len(values)} values over {rows} "
+                         f"{outcome['row_kind']}s: {counts}")
+    return lines
 
 
 def format_report(cases: list, benchmarks: list, results: dict, rec: dict, limits: Limits,
@@ -1424,8 +1482,9 @@ def format_report(cases: list, benchmarks: list, results: dict, rec: dict, limit
     described = [n for n in names if results[n].get("descriptors")]
     if described:
         case = results[described[0]]["descriptors"].get("case", "one case")
-        out += ["", f"TMA descriptor bit 85 (the 128 KB out-of-bounds mode, cleared by the kernels: 0 expected), read "
-                f"back from the launch's workspace after one call of {case}"]
+        out += ["", f"TMA descriptor bit 85 (the 128 KB out-of-bounds mode, cleared by the kernels: 0 expected) and "
+                "bytes 64-127 (the host-made template's, staged whole: reported, not judged), read back from the "
+                f"launch's workspace after one call of {case}"]
         for n in described:
             out += format_descriptor_bits(n, results[n]["descriptors"])
     sanitized = [n for n in names if results[n].get("sanitizer")]

@@ -76,6 +76,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_utils
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import cute as cute_ir, cute_nvgpu as cute_nvgpu_ir
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cute.runtime import make_ptr
 
@@ -403,7 +405,7 @@ def sm100_k_step_cycles(config: Sm100TileConfig) -> float:
 def sm100_predicted_us(problem_sizes, config: Sm100TileConfig, num_sms: int) -> float:
     """Modelled time (µs) per call of the persistent kernel, as the runner times it: the busiest CTA of the
     static round-robin (tiles b, b + grid, ...), or the DRAM traffic of the whole problem if that takes
-    longer, plus SM100_FIXED_US."""
+    longer, plus SM100_FIXED_US. An empty group (M = 0) has no tile, so its weights (B, SFB) are never read."""
     step_us = sm100_k_step_cycles(config) / SM100_CLOCK_HZ * 1e6
     tile_m, tile_n, tile_k = config.mma_tiler_mnk
     costs = []
@@ -411,7 +413,8 @@ def sm100_predicted_us(problem_sizes, config: Sm100TileConfig, num_sms: int) -> 
         costs += [ceil_div(k, tile_k) * step_us] * (ceil_div(m, tile_m) * ceil_div(n, tile_n))
     grid = min(len(costs), num_sms)
     busiest = max((sum(costs[cta::grid]) for cta in range(grid)), default=0.0)  # every group empty: no tile
-    dram_bytes = sum((m + n) * k // 2 + (m + n) * k // config.sf_vec_size + 2 * m * n for m, n, k, _ in problem_sizes)
+    dram_bytes = sum((m + n) * k // 2 + (m + n) * k // config.sf_vec_size + 2 * m * n
+                     for m, n, k, _ in problem_sizes if m)
     return max(busiest, dram_bytes / SM100_DRAM_BYTES_PER_S * 1e6) + SM100_FIXED_US
 
 
@@ -791,7 +794,8 @@ def cached_launch_metadata(key: tuple, build: Callable[[], LaunchMetadata]) -> L
 # ---------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class TableUploadConfig:
-    """Compile-time configuration of `TableUploadKernel` (the word count comes at run time)."""
+    """Compile-time configuration of `TableUploadKernel` (the word count comes at run time, so one build serves
+    every group count: `compile_key` leaves the count out)."""
 
     threads: int = 128
 
@@ -812,7 +816,7 @@ class TableUploadKernel:
     unified addressing, to their device buffer: one CTA, a strided loop of 64-bit loads and stores.
     Launched on a launch-metadata miss ahead of every kernel that reads the tables, on the same queue."""
 
-    def __init__(self, num_groups: int, config: TableUploadConfig):
+    def __init__(self, config: TableUploadConfig):
         self.threads = config.threads
 
     @cute.jit
@@ -938,6 +942,42 @@ def make_output_tensor(c_addr, m, n, c_dtype):
                                                                       cute.assume(m * n, 128))))
 
 
+# NOTES: `TensorMapManager.init_tensormap_from_atom` (`cpasync.copy_tensormap`) copies all 128 bytes of a
+# host-made descriptor into shared memory on DSL 4.3.5, but only the first 64 on 4.5.2 and 4.8.1 (ld.param.v2
+# at +0, +16, +32, +48), and `tensormap.cp_fenceproxy` publishes all 128: bytes 64-127 of every published
+# descriptor would be whatever shared memory held. So the templates are staged here, whole and the same way on
+# every version. A template is a kernel parameter; the DSL keeps its address in the executable TMA atom's
+# descriptor-pointer field (the one `cute.copy(..., tma_desc_ptr=...)` overrides), and the 16 words read
+# through it lower to ld.param (the DSL offers no public accessor, hence the dialect ops).
+_TMA_ATOM_FIELD_KINDS = ((cpasync.CopyBulkTensorTileS2GOp, "tmastore"),
+                         (cpasync.CopyReduceBulkTensorTileS2GOp, "tmareduce"))
+
+
+def descriptor_template_words(atom: cute.CopyAtom) -> cute.Tensor:
+    """The host-made 128-byte TMA descriptor of `atom` (a kernel parameter) as 16 Int64 words, in the kernel."""
+    kind = next((kind for op, kind in _TMA_ATOM_FIELD_KINDS if isinstance(atom.op, op)), "tmaload")
+    field = ir.Attribute.parse(f"#cute_nvgpu.atom_copy_field_{kind}<tma_descriptor_ptr>")
+    ptr_type = cute_ir.PtrType.get(cute_nvgpu_ir.TmaDescriptorTiledType.get(), cute_ir.AddressSpace.generic, 64)
+    desc_ptr = cute_nvgpu_ir.atom_get_value(ptr_type, cute_nvgpu_ir.atom_make_exec_tma(atom._trait.value), field)
+    desc_addr = cutlass.Int64(cute_ir.ptrtoint(cutlass.Int64.mlir_type, getattr(desc_ptr, "value", desc_ptr)))
+    words = cute.make_ptr(cutlass.Int64, desc_addr, cute.AddressSpace.generic, assumed_align=64)
+    return cute.make_tensor(words, cute.make_layout(TENSORMAP_BYTES // 8))
+
+
+@cute.jit
+def stage_descriptor_templates(atoms: tuple, smem_ptrs: tuple, warp_id: cutlass.Constexpr[int]):
+    """All 128 bytes of each host-made descriptor of `atoms` into the shared-memory slot at the matching
+    `smem_ptrs` (Int64 pointers), from one lane of warp `warp_id`, then syncs that warp (see the NOTES above)."""
+    if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == warp_id:
+        with cute.arch.elect_one():
+            for atom, smem_ptr in zip(atoms, smem_ptrs):
+                template = descriptor_template_words(atom)
+                staged = cute.make_tensor(smem_ptr, cute.make_layout(TENSORMAP_BYTES // 8))
+                for i in cutlass.range_constexpr(TENSORMAP_BYTES // 8):
+                    staged[i] = template[i]
+        cute.arch.sync_warp()
+
+
 # NOTES: NVIDIA driver 595.71.05 release notes, known issues: on Blackwell, cuTensorMapEncodeTiled and
 # cuTensorMapEncodeIm2col may wrongly set bit 85 of a TMA descriptor (the 128 KB out-of-bounds address mode)
 # when the tensor's allocation is under 128 KB and the tensor is not dense and non-overlapping: sporadic illegal
@@ -1015,10 +1055,10 @@ class TmaDescriptorRows:
         return self.smem_staging_ptr + int(slot) * (TENSORMAP_BYTES // 8)
 
     def stage_from_atoms(self, atoms: tuple, slots: tuple, warp_id: int):
-        """Per-CTA rows only: the host-made descriptors of `atoms` into the staging slots (by `warp_id`)."""
+        """Per-CTA rows only: the host-made descriptors of `atoms`, whole, into the staging slots (by `warp_id`;
+        `stage_descriptor_templates`)."""
         if not self.up_front:
-            for atom, slot in zip(atoms, slots):
-                self.manager.init_tensormap_from_atom(atom, self._smem_ptr(slot), warp_id)
+            stage_descriptor_templates(atoms, tuple(self._smem_ptr(slot) for slot in slots), warp_id)
 
     def clear_oob_128k_bit(self, slots: tuple):
         """Per-CTA rows only, Blackwell only, by the staging warp between `stage_from_atoms` and `patch`: bit
@@ -1394,11 +1434,10 @@ class Sm100BlockScaledGroupedGemmKernel:
     # -----------------------------------------------------------------------------------------------------
     @cute.jit
     def _write_tensormaps(self, warp_idx, tensormap_manager, tma_atoms, group_tensors, gmem_ptrs, smem_ptrs):
-        """Copy the host-made descriptors to shared memory, clear their bit 85 (`clear_oob_128k_bit`), patch in
-        the group's tensors, release to gmem."""
+        """Copy the host-made descriptors, whole, to shared memory (`stage_descriptor_templates`), clear their bit
+        85 (`clear_oob_128k_bit`), patch in the group's tensors, release to gmem."""
         if warp_idx == 0:
-            for atom, smem_ptr in zip(tma_atoms, smem_ptrs):
-                tensormap_manager.init_tensormap_from_atom(atom, smem_ptr, 0)
+            stage_descriptor_templates(tma_atoms, smem_ptrs, 0)
             clear_oob_128k_bit(smem_ptrs)
             tensormap_manager.update_tensormap(group_tensors, tma_atoms, gmem_ptrs, 0, smem_ptrs)
             for gmem_ptr_ in gmem_ptrs:
@@ -2286,17 +2325,19 @@ def backend_of(config) -> KernelBackend:
 # Compile cache
 # ---------------------------------------------------------------------------------------------------------
 def compile_key(num_groups: int, arch: str, config=None, part: str = "gemm") -> tuple:
-    """The key of a compiled kernel: everything baked into it. The group count (the tables' static layouts);
-    target arch and DSL version; the config (default KERNEL_VARIANT's; its class names the kernel, it holds
-    tile, stages, dtypes and descriptor scheme, less what `KernelBackend.key_config` leaves to run time);
-    `part`, one of the backend's ("gemm", "tensormaps", ...) or "upload"; the launch ABI. Problem sizes,
-    pointers, tile count and grid size are read at run time, so are not in it."""
+    """The key of a compiled kernel: everything baked into it. The group count (the tables' static layouts;
+    0 for the table upload, whose code does not depend on it: its word count comes at run time); target arch
+    and DSL version; the config (default KERNEL_VARIANT's; its class names the kernel, it holds tile, stages,
+    dtypes and descriptor scheme, less what `KernelBackend.key_config` leaves to run time); `part`, one of the
+    backend's ("gemm", "tensormaps", ...) or "upload"; the launch ABI. Problem sizes, pointers, tile count and
+    grid size are read at run time, so are not in it."""
     if config is None:
         config = variant_config(KERNEL_VARIANT)
     backend = _backends_by_config.get(type(config))
     if backend is not None:
         config = backend.key_config(config)
-    return ("nvfp4_grouped_gemm", part, arch, DSL_VERSION, config, int(num_groups), _launch_abi())
+    groups = 0 if isinstance(config, TableUploadConfig) else int(num_groups)
+    return ("nvfp4_grouped_gemm", part, arch, DSL_VERSION, config, groups, _launch_abi())
 
 
 _compiled_kernels: dict = {}
@@ -2315,8 +2356,8 @@ def kernel_args(raw_args: tuple, num_tables: int = 3) -> tuple:
 def _compile(key: tuple) -> Callable:
     _, part, arch, _, config, num_groups, abi = key
     options = {"options": "--enable-tvm-ffi"} if abi == "tvm_ffi" else {}
-    if isinstance(config, TableUploadConfig):  # arch-neutral
-        return cute.compile(TableUploadKernel(num_groups, config), *upload_args((0, 0, 1)), **options)
+    if isinstance(config, TableUploadConfig):  # arch-neutral, one build for every group count
+        return cute.compile(TableUploadKernel(config), *upload_args((0, 0, 1)), **options)
     backend = _backends_by_config.get(type(config))
     if backend is None or not arch.startswith(backend.arch_prefix):
         raise UnsupportedDeviceError(f"no kernel for {arch} with {type(config).__name__}: kernels exist for "

@@ -1425,6 +1425,29 @@ def test_descriptor_bit85_reads_bit_85_of_each_descriptor():
     assert bringup.format_descriptor_bits("seed", clear) == [f"  {'seed':<20} 240 tiles x A, B, SFA, SFB: set in 0"]
 
 
+def test_descriptor_upper_bytes_reads_bytes_64_to_127_of_each_descriptor():
+    # Bytes 64-127 were what DSL 4.5.2 and 4.8.1 left unstaged; byte 63 and byte 128 (the next descriptor's
+    # first) are outside them.
+    workspace = _descriptor_bytes(2, 5, {(0, 0): [64 * 8], (0, 1): [63 * 8, 128 * 8], (1, 2): [127 * 8 + 7]})
+    upper = bringup.descriptor_upper_bytes(workspace, 5)
+    zero = "00" * 64
+    assert upper[0][0] == "01" + "00" * 63 and upper[1][2] == "00" * 63 + "80"
+    assert upper[0][1] == zero and upper[0][2] == zero and len(upper) == 2 and all(len(row) == 5 for row in upper)
+    assert bringup.descriptor_upper_bytes(workspace.view(2, 5, 16), 5) == upper
+    operands = ["A", "B", "SFA", "SFB", "C"]
+    outcome = bringup.descriptor_outcome([[0] * 5, None], operands, "group", [upper[0], None])  # group 1 empty
+    assert outcome["status"] == "ok" and outcome["upper_bytes"]["A"] == {"01" + "00" * 63: 1}
+    assert outcome["upper_bytes"]["SFA"] == {zero: 1}
+    lines = bringup.format_descriptor_bits("persistent", outcome)
+    assert f"  {'persistent':<20} group 1: never written (empty)" in lines
+    assert f"  {'persistent':<20} bytes 64-127 of B (1 groups): zero" in lines
+    assert f"  {'persistent':<20} bytes 64-127 of A (1 groups): {'01' + '00' * 63}" in lines
+    both = bringup.descriptor_outcome([[0] * 5] * 2, operands, "group", upper)
+    assert bringup.format_upper_bytes("persistent", both)[2] == (
+        f"  {'persistent':<20} bytes 64-127 of SFA: 2 values over 2 groups: {zero} x1, {'00' * 63 + '80'} x1")
+    assert bringup.format_upper_bytes("persistent", bringup.descriptor_outcome([[0] * 5], operands, "group")) == []
+
+
 def _descriptor_stand_in(monkeypatch, launch_metadata):
     """A stand-in submission for job_descriptors: the persistent kernel's config, `launch_metadata` given."""
     fake = types.SimpleNamespace(
@@ -1460,11 +1483,15 @@ def test_job_descriptors_reads_the_calls_own_workspace(stand_in, monkeypatch):
 def test_job_descriptors_skips_the_rows_of_empty_groups(stand_in, monkeypatch):
     # An empty group's row is never written (no descriptor for an empty tensor): whatever it holds, even bit
     # 85, is not reported; the written rows still are.
-    workspace = _descriptor_bytes(3, 5, {(0, 2): [85], (2, 0): [85]})
+    workspace = _descriptor_bytes(3, 5, {(0, 2): [85, 64 * 8], (2, 0): [85, 100 * 8]})
     _descriptor_stand_in(monkeypatch, lambda data, device, config: types.SimpleNamespace(workspace=workspace))
     result = bringup.job_descriptors(dict(m=[0, 64, 40], n=[128, 256, 128], k=[256, 256, 512], g=3, seed=4))
     assert result["bit85"][0] is None and result["set_in"] == ["group 2 A"] and result["status"] == "fail"
     assert "1 of 10 descriptors" in result["error"]
+    # bytes 64-127 of the written rows only (group 0's SFA is not counted)
+    zero = "00" * 64
+    assert result["upper_bytes"]["SFA"] == {zero: 2}
+    assert result["upper_bytes"]["A"] == {zero: 1, "00" * 36 + "01" + "00" * 27: 1}
 
 
 def _pattern_worker(script):

@@ -238,6 +238,20 @@ def test_predicted_time_follows_the_work():
     assert submission.sm100_predicted_us(thin, row, 148) - fixed == pytest.approx(dram_us)
 
 
+def test_predicted_time_reads_no_weights_of_empty_groups():
+    # Regression: the model's DRAM bytes counted B and SFB of groups with M = 0, which have no tile, so no load
+    # (a MoE step with most experts empty looked weight-bound on experts it never reads).
+    row, fixed = submission.SM100_TILE_N128, submission.SM100_FIXED_US
+    thin = [(128 * 148, 128, 8192, 1)]  # DRAM-bound in the model (test_predicted_time_follows_the_work)
+    empty_experts = [(0, 4096, 7168, 1)] * 64
+    assert submission.sm100_predicted_us(thin + empty_experts, row, 148) == submission.sm100_predicted_us(thin, row, 148)
+    assert submission.sm100_predicted_us(empty_experts, row, 148) == fixed
+    # a non-empty group's weights still count
+    one_token = [(1, 4096, 7168, 1)]
+    weights_us = (4096 * 7168 // 2 + 4096 * 7168 // 16) / submission.SM100_DRAM_BYTES_PER_S * 1e6
+    assert submission.sm100_predicted_us(one_token + empty_experts, row, 148) - fixed > weights_us
+
+
 def test_model_constants_are_the_public_measurements():
     # The fixed cost per call is what the best documented entry (gau-nernst/gpu-mode-kernels,
     # nvidia/nvfp4_group_gemm/README.md) takes beyond its DRAM traffic at the measured rate: per benchmark,
@@ -683,6 +697,23 @@ def test_a_new_pattern_of_empty_groups_keeps_the_compile_key():
     # ... while the launch metadata key tells them apart (the tables differ)
     assert submission.num_output_tiles(sizes[0], config.tile_mn) == 2 * 32
     assert submission.num_output_tiles(sizes[1], config.tile_mn) == 32
+
+
+def test_the_table_upload_is_built_once_for_every_group_count(monkeypatch):
+    # Regression: the upload kernel (its word count at run time, nothing per group count in its code) was
+    # compiled anew for every group count, a compile per new MoE layer shape for nothing.
+    upload = submission.TABLE_UPLOAD_CONFIG
+    for arch in ("sm_100a", "sm_90a"):
+        keys = {submission.compile_key(groups, arch, upload, "upload") for groups in (1, 2, 8, 64, 256)}
+        assert len(keys) == 1, keys
+    gemm = {submission.compile_key(groups, "sm_100a", submission.SM100_TILE_N128) for groups in (1, 2, 8)}
+    assert len(gemm) == 3  # the GEMMs' tables have static layouts per group count
+    built = []
+    monkeypatch.setattr(submission, "_compiled_kernels", {})
+    monkeypatch.setattr(submission.cute, "compile", lambda kernel, *args, **options: built.append(kernel) or kernel)
+    for groups in (1, 3, 128):
+        submission.compiled_kernel(submission.compile_key(groups, "sm_100a", upload, "upload"))
+    assert len(built) == 1 and isinstance(built[0], submission.TableUploadKernel)
 
 
 class FakeDriver:
