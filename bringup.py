@@ -15,7 +15,7 @@ bringup (needs a B200, or an H100/H200 for the Hopper tiles):
    parallel worker processes (--jobs, by default one per core within the build units and the available host
    and GPU memory): each variant's kernels, one build unit per group count its cases and benchmarks need,
    are split over shards; a shard's worker first builds its units' kernels (compiled, not launched:
-   submission.build_kernels), then runs the task.yml tests and the edge cases of EDGE_CASES (plus groups
+   build_kernels), then runs the task.yml tests and the edge cases of EDGE_CASES (plus groups
    with M = 0 where can_implement accepts them) with those group counts: each case called twice (a fresh
    input, then the same input objects again: the prepared-call path), the output poisoned with NaN before
    each call and compared with the runner's check (reference.check_implementation). Progress lines carry an
@@ -508,17 +508,36 @@ def job_check(args: dict) -> dict:
     return dict(status="pass", max_abs_err=worst, unwritten=0, seconds=round(time.perf_counter() - start, 2))
 
 
+def build_kernels(problem_sizes, device=None) -> list:
+    """Build, without launching, every kernel custom_kernel launches for groups of these sizes ((m, n, k, l)
+    each) on `device` (default: the current GPU), by custom_kernel's own choices and cache: `kernel_config`'s
+    GEMM for LAUNCH_PATH, its other parts and the table upload. Returns their compile keys (none when every
+    group is empty). `eval.py bringup` builds each variant's kernels with it before its cases run."""
+    import submission
+    import torch
+
+    sizes = [tuple(size) for size in problem_sizes]
+    if submission.first_launched_group(sizes) is None:
+        return []
+    device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    submission._check_device(device)
+    arch, config = submission._target_arch(device), submission.kernel_config((None, None, None, sizes), device)
+    keys = [submission.compile_key(len(sizes), arch, config, part) for part in submission.kernel_parts(config)]
+    keys.append(submission.compile_key(len(sizes), arch, submission.TABLE_UPLOAD_CONFIG, "upload"))
+    for key in keys:
+        submission.compiled_kernel(key)
+    return keys
+
+
 def job_build(problems: list) -> dict:
     """Builds, and launches nothing, every kernel custom_kernel runs for these problems (case args) in this
-    worker, through its own choices and cache (submission.build_kernels), so that the cases and benchmarks
-    this worker runs with them compile nothing."""
-    import submission
-
+    worker, through its own choices and cache (`build_kernels`), so that the cases and benchmarks this worker
+    runs with them compile nothing."""
     start = time.perf_counter()
     keys = set()
     for args in problems:
         try:
-            keys.update(submission.build_kernels(harness.case_sizes(args)))
+            keys.update(build_kernels(harness.case_sizes(args)))
         except Exception as err:
             return dict(status="error", error=f"{_case_spec(args)}: {first_line(err)}", kernels=len(keys),
                         seconds=round(time.perf_counter() - start, 2))

@@ -24,7 +24,7 @@ builds every kernel the cases of FILE would run (the tile custom_kernel picks fo
 SMs, or an H100/H200 with 132; one kernel per tile and group count) and prints one row per kernel, named by
 the variant that runs it (the default's own name for the default's builds): OK or the error, registers, shared
 memory per CTA (static, dynamic and their sum), tensor memory, the shared-memory stages (B200: A/B and C
-stages, from submission.kernel_resources; Hopper: the fp4 + scale ring and the fp16 A buffers) and the counts
+stages, from kernel_resources; Hopper: the fp4 + scale ring and the fp16 A buffers) and the counts
 of the SASS instructions that matter; then the kernel of every case. A variant that forces one tile (--variant
 persistent_n256, ...) is not built for a case whose N that tile does not divide: the case is marked n/a, as
 bringup skips it. It needs `cuobjdump` and `nvdisasm` (the nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm
@@ -415,7 +415,8 @@ if seen_smem and max(seen_smem) > 0:
     result["info"]["dynamic_smem_bytes"] = max(seen_smem)
 try:  # the submission's own account of its shared and tensor memory (B200 kernels), no build needed
     if sys.argv[3].startswith("sm_10"):
-        planned = submission.kernel_resources(*sys.argv[4:])
+        from eval import kernel_resources
+        planned = kernel_resources(*sys.argv[4:])
         result["info"]["planned_smem_bytes"] = planned.get("smem_bytes", planned.get("smem_bytes_min"))
         result["info"]["planned_smem_is_min"] = "smem_bytes" not in planned
         result["info"]["tmem_cols"] = f"{planned.get('tmem_cols_used', '?')}/{planned.get('tmem_alloc_cols', '?')}"
@@ -568,10 +569,32 @@ def compile_legend(arch: str) -> list:
 
 # What compile's `stages` column counts on each arch (kernel_stages), in its order.
 STAGES_MEANING = {
-    "sm_100a": "shared-memory stages: A/B (TMA loads) / C (epilogue stores), as submission.kernel_resources plans "
+    "sm_100a": "shared-memory stages: A/B (TMA loads) / C (epilogue stores), as kernel_resources plans "
                "them (- where the kernel has no C stages)",
     "sm_90a": "shared-memory rings: fp4 + scale stages / fp16 A buffers (the Hopper kernel's num_stages / num_a16)",
 }
+
+
+def kernel_resources(variant: Optional[str] = None) -> dict:
+    """Shared memory, tensor-memory columns, stages and threads of a B200 variant's kernel (no build needed):
+    what its config derives, the persistent kernel's stage counts from the shared-memory budget."""
+    import submission
+
+    cfg = submission.SM100_BACKEND.compile_config(variant)
+    if isinstance(cfg, submission.Sm100PersistentConfig):
+        return dict(kernel="Sm100PersistentGroupedGemmKernel", tile_mnk=cfg.mma_tiler_mnk,
+                    threads=submission.Sm100PersistentGroupedGemmKernel.threads_per_cta,
+                    ab_stages=cfg.num_ab_stages, ab_stage_bytes=cfg.ab_stage_bytes, acc_stages=cfg.num_acc_stages,
+                    c_stages=cfg.num_c_stages, c_stage_bytes=cfg.c_stage_bytes, smem_bytes=cfg.smem_bytes,
+                    smem_budget=submission.DYNAMIC_SMEM_BUDGET, tmem_cols_used=cfg.tmem_cols_used,
+                    tmem_alloc_cols=cfg.tmem_alloc_cols)
+    # The seed: one stage of fp4 A, B and their e4m3 scales, beside its four descriptors.
+    rows, tile_k = cfg.tile_mn[0] + cfg.tile_mn[1], cfg.mma_tiler_mnk[2]
+    ab_stage_bytes = rows * tile_k // 2 + rows * tile_k // cfg.sf_vec_size
+    descriptor_bytes = submission.Sm100BlockScaledGroupedGemmKernel.num_tensormaps * submission.TENSORMAP_BYTES
+    return dict(kernel="Sm100BlockScaledGroupedGemmKernel", tile_mnk=cfg.mma_tiler_mnk, threads=cfg.threads_per_cta,
+                ab_stages=cfg.num_ab_stages, ab_stage_bytes=ab_stage_bytes, acc_stages=cfg.num_acc_stages,
+                tmem_alloc_cols=cfg.num_tmem_cols, smem_bytes_min=ab_stage_bytes * cfg.num_ab_stages + descriptor_bytes)
 
 
 def kernel_stages(arch: str, kernel: PlannedKernel) -> dict:
@@ -584,7 +607,7 @@ def kernel_stages(arch: str, kernel: PlannedKernel) -> dict:
             config = submission.backend_for_arch(arch).compile_config(kernel.variant)
             gemm = hopper_module().Sm90BlockScaledGroupedGemmKernel(kernel.groups, config)
             return {"ring_stages": gemm.num_stages, "a16_buffers": gemm.num_a16}
-        planned = submission.kernel_resources(kernel.variant)
+        planned = kernel_resources(kernel.variant)
         return {"ab_stages": planned["ab_stages"], "c_stages": planned.get("c_stages")}
     except Exception:
         return {}

@@ -7,42 +7,16 @@ What it computes, for every group g of G:
     C_g[m, n] = sum_k (A_g[m, k] * SFA_g[m, k // 16]) * (B_g[n, k] * SFB_g[n, k // 16])
 
 with A_g [m, k] and B_g [n, k] in e2m1 (fp4, two per byte, K contiguous), one e4m3 scale per 16
-consecutive k-elements, fp32 accumulation and fp16 output written into the caller's C_g.
-Both arches read the scales in the blocked tcgen05 layout (the `sfasfb_reordered_tensors`): the task's
-generator keeps the plain scales on the CPU, and one 128-row x 256-k tile's blocked scales are 2 KB of
-contiguous bytes (padding rows exist, so no load runs out of bounds).
+consecutive k-elements (read in the blocked tcgen05 layout, the `sfasfb_reordered_tensors`), fp32
+accumulation and fp16 output written into the caller's C_g. Constraints: `can_implement`.
 
-Constraints (stated once, in `can_implement`): L == 1; any M >= 0; N a multiple of 128; K a multiple of
-256; the task generator's dense layouts; every tensor the kernel reads on one CUDA device, 16-byte aligned.
-A group with M = 0 stays in the tables (the kernels are built per group count as given, so a MoE step whose
-set of empty experts changes compiles nothing) and costs nothing on the device: no tile, no TMA descriptor,
-no load; its C ([0, N, 1]) is returned as given. If every group is empty, nothing is
-launched and the C list comes back at once.
-
-How it runs on Blackwell (sm_100a): kernel variants (`KERNEL_VARIANT`, `set_variant`), newest first:
-
-* "persistent" (default, `Sm100PersistentGroupedGemmKernel`): one CTA per SM walks the output tiles of all
-  groups (static round-robin `GroupTileScheduler`); the tile, 128x64, 128x128 or 128x256, is chosen per
-  problem from a small table by a model of that schedule (`choose_sm100_config`; "persistent_n64",
-  "persistent_n128", "persistent_n256" force one). Warp 5 loads A, B, SFA, SFB by TMA into a multi-stage
-  shared-memory ring, warp 4 issues tcgen05 block-scaled MMAs into one of two tensor-memory accumulators,
-  warps 0-3 move the finished accumulator to registers, fp16, shared memory and out by TMA store (rows past
-  M clipped by the TMA unit). Each group's five TMA descriptors are written once per input set by a small
-  preparation kernel (`GroupTensormapKernel`); the GEMM only acquires them and never rewrites one.
-* "seed" (`Sm100BlockScaledGroupedGemmKernel`): the leaderboard seed's proven structure, one CTA per
-  128x128 tile, warp 0 loads and multiplies with one stage, SIMT epilogue. The last fallback.
-docs/B200_DESIGN.md has the design, per-benchmark predictions and what no B200 has checked yet.
-
-Nothing above has run on a B200 (none was available to this project): it is checked by building for sm_100a
-and reading the SASS. On Hopper (sm_90a) the backend in `submission_sm90.py` runs the same host path with
-fp16 wgmma; it is how the project tests on an H200, loaded from beside this file, never needed on a B200.
-Each arch is one `KernelBackend` (config choice, compile, schedule, launch) behind the shared host path:
-constraint check, pointer/size tables, launch-metadata and compile caches, the prepared-call fast path and
-the launch paths (`LAUNCH_PATH`, by default the DSL's ctypes entry with its arguments packed once).
-
-Which GPU queue: every kernel here runs on the legacy default queue of the current device (the DSL compiles
-no queue argument; launches use handle 0), as does the table staging ring's event. A caller on another torch
-queue orders its work against the default queue before and after the call (README.md, "Which GPU queue").
+On a B200 (sm_100a) it runs the kernel variant `KERNEL_VARIANT`: "persistent" (the default,
+`Sm100PersistentGroupedGemmKernel`, one CTA per SM over every group's tiles, its tile chosen per weight shape
+by `choose_sm100_config`; "persistent_n64", "persistent_n128", "persistent_n256" force one) or "seed"
+(`Sm100BlockScaledGroupedGemmKernel`, one CTA per 128x128 tile, the last fallback). No B200 has run it yet.
+On Hopper (sm_90a) the backend in `submission_sm90.py`, loaded from beside this file, runs the same host path.
+Every kernel runs on the legacy default queue of the current device (README.md, "Which GPU queue").
+NOTES: docs/B200_DESIGN.md#module-overview (the longer overview: constraints, variants, host path, queue).
 
 How to use it (each function's docstring has the details):
     custom_kernel(data)      GPU MODE entry point; data = (abc, sfasfb, sfasfb_reordered, problem_sizes)
@@ -52,8 +26,7 @@ How to use it (each function's docstring has the details):
     set_launch_path(name)    one of LAUNCH_PATHS (NVFP4_LAUNCH_PATH at import)
     set_pdl(on)              programmatic dependent launch of the persistent kernels (default on; NVFP4_PDL=0)
     compile_for(num_groups, arch=None, variant=None)   build only (CUTE_DSL_ARCH=sm_100a builds without a GPU)
-    kernel_resources(variant=None)   shared and tensor memory, stages and threads of a variant's kernel
-Builds with nvidia-cutlass-dsl 4.3.5 and 4.8.1.
+Builds with nvidia-cutlass-dsl 4.3.5, 4.5.2 and 4.8.1.
 """
 import array
 import ctypes
@@ -112,8 +85,7 @@ def fence_smem_for_async_proxy():
 # ---------------------------------------------------------------------------------------------------------
 def _choice_from_env(variable: str, default: str, choices: tuple, other: Optional[tuple] = None) -> str:
     """Environment variable `variable` (`default` when unset or empty), which must be one of `choices`.
-    `other`: (the variable of the other arch's variants, what they are called, a test of a name): a name that
-    passes the test is pointed to that variable."""
+    `other`: (the other arch's variable, what its variants are called, a test of a name that belongs there)."""
     value = os.environ.get(variable) or default
     if value not in choices:
         if other is not None and other[2](value):
@@ -128,9 +100,8 @@ def _check_choice(what: str, name: str, choices: tuple) -> None:
         raise ValueError(f"unknown {what} {name!r}; choose one of {', '.join(choices)}")
 
 
-# Programmatic dependent launch for the persistent kernels (both arches): each launch lets the next on the
-# queue start its CTAs early and waits (griddepcontrol.wait) for the previous grid before touching global
-# memory, so only set-up overlaps. Off with NVFP4_PDL=0 at import or set_pdl() (both builds stay cached).
+# Programmatic dependent launch for the persistent kernels (both arches; docs/B200_DESIGN.md#persistent-kernel).
+# Off with NVFP4_PDL=0 at import or set_pdl() (both builds stay cached).
 USE_PDL = _choice_from_env("NVFP4_PDL", "1", ("0", "1")) == "1"
 
 
@@ -209,23 +180,11 @@ class Sm100GemmConfig(Sm100TileConfig):
             if getattr(self, name) != value:
                 raise ValueError(f"Sm100GemmConfig.{name}={getattr(self, name)!r}: only {value!r} is supported")
 
-    def resources(self) -> dict:
-        rows, tile_k = self.tile_mn[0] + self.tile_mn[1], self.mma_tiler_mnk[2]
-        ab_stage_bytes = rows * tile_k // 2 + rows * tile_k // self.sf_vec_size  # fp4 A, B + e4m3 scales
-        return dict(kernel="Sm100BlockScaledGroupedGemmKernel", tile_mnk=self.mma_tiler_mnk,
-                    threads=self.threads_per_cta, ab_stages=self.num_ab_stages, ab_stage_bytes=ab_stage_bytes,
-                    acc_stages=self.num_acc_stages, tmem_alloc_cols=self.num_tmem_cols,
-                    smem_bytes_min=ab_stage_bytes * self.num_ab_stages + 4 * TENSORMAP_BYTES)
-
 
 @dataclasses.dataclass(frozen=True)
 class Sm100PersistentConfig(Sm100TileConfig):
     """Compile-time configuration of `Sm100PersistentGroupedGemmKernel` (everything baked in but G).
-
-    The stage counts are properties derived from the shared-memory budget (DYNAMIC_SMEM_BUDGET), so the
-    compile key and `kernel_resources` see them without a build: `num_ab_stages` A/B stages fit beside the
-    header and min_c_stages C slices, `num_c_stages` fill what is left. Passing either is a TypeError.
-    """
+    The stage counts are properties derived from the shared-memory budget (DYNAMIC_SMEM_BUDGET), not fields."""
 
     # Two accumulators in tensor memory: the epilogue drains tile i while the MMA warp fills tile i + 1.
     # (N = 256 fits one: 2 x 256 columns leave none for the scales.)
@@ -254,9 +213,7 @@ class Sm100PersistentConfig(Sm100TileConfig):
 
     def __post_init__(self):
         tile_m, tile_n, tile_k = self.mma_tiler_mnk
-        # NOTES: only the 1-CTA, M = 128 MMA is written, with N = 64, 128 or 256. N = 64 reads half of a
-        # 128-row SFB block: the MMA's SFB address moves by two columns on odd N tiles (CUTLASS's dense
-        # block-scaled example's scheme).
+        # NOTES: only the 1-CTA, M = 128 MMA is written, N = 64, 128 or 256 (docs/B200_DESIGN.md#persistent-kernel).
         if (tile_m != 128 or tile_n not in (64, 128, 256) or tile_k != 256 or self.mma_inst_k != 64
                 or self.sf_vec_size != 16):
             raise ValueError(f"Sm100PersistentConfig: tile {self.mma_tiler_mnk} / inst_k {self.mma_inst_k} / "
@@ -308,13 +265,6 @@ class Sm100PersistentConfig(Sm100TileConfig):
             cols *= 2
         return cols
 
-    def resources(self) -> dict:
-        return dict(kernel="Sm100PersistentGroupedGemmKernel", tile_mnk=self.mma_tiler_mnk,
-                    threads=32 * len(Sm100Warp), ab_stages=self.num_ab_stages, ab_stage_bytes=self.ab_stage_bytes,
-                    acc_stages=self.num_acc_stages, c_stages=self.num_c_stages, c_stage_bytes=self.c_stage_bytes,
-                    smem_bytes=self.smem_bytes, smem_budget=DYNAMIC_SMEM_BUDGET,
-                    tmem_cols_used=self.tmem_cols_used, tmem_alloc_cols=self.tmem_alloc_cols)
-
 
 def ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
@@ -333,20 +283,15 @@ class Sm100Warp(enum.IntEnum):
 
 SM100_CONFIG = Sm100GemmConfig()
 
-# Blackwell tile table: the rows "persistent" chooses from per weight shape (choose_sm100_config), all 1-CTA
-# 128-row MMAs (N = 256 leaves tensor memory for one accumulator). A row sets its tile; its stage counts are
-# derived from the shared-memory budget (Sm100PersistentConfig properties; kernel_resources shows them).
+# Blackwell tile table: the rows "persistent" chooses from per weight shape (choose_sm100_config), 1-CTA 128-row
+# MMAs (N = 256 leaves tensor memory for one accumulator), stage counts derived from the shared-memory budget.
 SM100_TILE_N64 = Sm100PersistentConfig(mma_tiler_mnk=(128, 64, 256))
 SM100_TILE_N128 = Sm100PersistentConfig(mma_tiler_mnk=(128, 128, 256))
 SM100_TILE_N256 = Sm100PersistentConfig(mma_tiler_mnk=(128, 256, 256), num_acc_stages=1)
 SM100_TILE_TABLE = (SM100_TILE_N128, SM100_TILE_N64, SM100_TILE_N256)  # the first is the default row
 
-# The kernels custom_kernel can run, newest design first down to the seed's proven structure (a ladder to
-# walk down on a B200 if a step fails); set_variant() switches, and every variant's kernels and launch
-# metadata stay cached side by side. "persistent" picks its tile-table row on the first call of a weight
-# shape (`KernelBackend.weight_shape_choice`; its config here, the default row, is what compile_for builds);
-# "persistent_nN" forces one row; "seed" is one CTA per 128x128 tile, one stage, SIMT epilogue. CUTLASS's
-# per-CTA descriptor patching, once a rung here, is retired (docs/B200_DESIGN.md, section 1).
+# The kernels custom_kernel can run, a fallback ladder newest first (set_variant switches; every variant's
+# kernels stay cached). "persistent"'s config is the default row compile_for builds (docs/B200_DESIGN.md#1-what-runs).
 VARIANT_CONFIGS = {
     "persistent": SM100_TILE_N128,
     "persistent_n64": SM100_TILE_N64,
@@ -358,8 +303,7 @@ TILE_TABLE_VARIANTS = frozenset({"persistent"})  # variants whose tile comes fro
 KERNEL_VARIANTS = tuple(VARIANT_CONFIGS)
 
 
-# The default variant, on the one marked line `eval.py export --variant NAME -o FILE` rewrites (or edit it by
-# hand). eval.py's spawned workers may start on another through the environment; the leaderboard never does.
+# The default variant, on the one marked line `eval.py export --variant NAME -o FILE` rewrites (or edit it by hand).
 DEFAULT_KERNEL_VARIANT = "persistent"  # eval.py export --variant NAME rewrites this line
 # Every Hopper variant's name starts so (submission_sm90.SM90_VARIANTS): set_variant and NVFP4_KERNEL_VARIANT
 # name the Hopper setter and variable.
@@ -382,15 +326,9 @@ def set_variant(name: str) -> None:
 SM100_CLOCK_HZ = 1.5e9
 SM100_MMA_CYCLES_PER_N = 2  # a 128 x N x 256 NVFP4 K step at 32768 dense FP4 FLOP per clock per SM
 SM100_SM_FEED_BYTES_PER_CYCLE = 200e9 / SM100_CLOCK_HZ  # assumed L2 -> one SM's shared memory rate
-# NOTES: a measured rate, not a datasheet's: 5914.80 GB/s, the "realistic SOL" memory bandwidth measured on the
-# competition's B200 by the best documented entry (gau-nernst/gpu-mode-kernels, nvidia/README.md). The 7.7 TB/s
-# that task.yml's speeds of light imply put benchmark 0 below what that entry's own DRAM time allows.
+# NOTES: measured on the competition's B200, not a datasheet's (docs/B200_DESIGN.md#model-constants).
 SM100_DRAM_BYTES_PER_S = 5914.80e9
-# NOTES: per call as the runner times it (host launch path, launch, set-up, first loads, last epilogue), as the
-# public entries imply it: the best documented entry (same repository, nvidia/nvfp4_group_gemm/README.md; best
-# per benchmark 27.9 / 18.8 / 8.48 / 6.43 us) takes 3.45 / 4.95 / 5.36 / 4.45 us more than its DRAM traffic at
-# the rate above: 4.55 on average, 4.45 on benchmark 3, the smallest, where it is nearly the whole time (no
-# version in that worklog went below 6.43 us there).
+# NOTES: per call as the runner times it, as the best documented entry implies it (docs/B200_DESIGN.md#model-constants).
 SM100_FIXED_US = 4.5
 # A row other than the default must beat it by this much in the model to be chosen.
 SM100_TILE_MARGIN = 0.05
@@ -441,11 +379,6 @@ def variant_config(variant: str):
     return VARIANT_CONFIGS[variant]
 
 
-def kernel_resources(variant: Optional[str] = None) -> dict:
-    """Shared memory, tensor-memory columns, stages and threads of a variant's kernel (no build needed)."""
-    return SM100_BACKEND.compile_config(variant).resources()
-
-
 # TMA needs 16-byte aligned global addresses; the kernel assumes it of every operand and of C.
 GMEM_ALIGN_BYTES = 16
 # A TMA descriptor is 128 bytes on a 128-byte boundary; DSL 4.8 wants that proven by the pointer types.
@@ -493,15 +426,13 @@ def num_output_tiles(sizes, tile_mn: tuple) -> int:
 
 
 def table_words(num_groups: int) -> tuple:
-    """(words before the size table, words in all) of the int64 table buffer: the pointer table [G, PtrColumn],
-    padded to 16 bytes, then the int32 size table [G, SizeColumn]."""
+    """(words before the size table, words in all): pointer table [G, PtrColumn] padded to 16 bytes, size table."""
     ptr_words = ceil_div(num_groups * len(PtrColumn), 2) * 2
     return ptr_words, ptr_words + num_groups * len(SizeColumn) // 2
 
 
-# The kernels' queue: the DSL launches them with handle 0, which the CUDA runtime reads as the legacy default
-# queue of the current device (torch's default). 1 is the driver's explicit handle of that same queue (cuda.h's
-# CU_..._LEGACY), which means it whether or not anything was built with per-thread default queues.
+# The kernels' queue: the DSL launches them with handle 0, the legacy default queue of the current device; 1 is
+# the driver's explicit handle of that queue (cuda.h's CU_..._LEGACY), whatever per-thread defaults are built in.
 LEGACY_DEFAULT_QUEUE = 1
 
 
@@ -516,9 +447,7 @@ def _cuda_driver():
 
 class KernelQueueEvent:
     """A CUDA event recorded on the kernels' queue (LEGACY_DEFAULT_QUEUE of the current device) through the
-    driver: torch records its events on torch's current queue, which a caller may have switched. Created on
-    the first record, in the current context, and made again if a record finds the context changed (another
-    device): the driver refuses an event of another context."""
+    driver, not on torch's current queue; remade in a new context (docs/B200_DESIGN.md#host-path-helpers)."""
 
     _driver = None
     _flags = 2  # CU_EVENT_DISABLE_TIMING: a cheaper record, and no timing is read
@@ -575,17 +504,9 @@ class KernelQueueEvent:
 
 class PinnedTableRing:
     """Pinned host memory for the tables' staging copies, allocated once (page-locking per miss would cost a
-    driver call each) and handed out round-robin in 16-byte pieces; `words` is the ring's size (a test
-    builds one of a few pieces).
-
-    A piece is never handed out while an upload that reads its words may be pending. Right after launching a
-    piece's upload (once per launch-metadata miss) the caller calls `uploaded()`, which records an event on
-    the kernels' queue (events seen complete are reused). Before `take()` hands out words earlier pieces
-    held, it checks their events newest first: `query()`, and `synchronize()` only on one still pending (once
-    the newest is done, the older ones on its queue are too). The prepared-call fast path never reaches the
-    ring. `new_event` makes the events (default `KernelQueueEvent`; a test passes a fake with
-    record/query/synchronize).
-    """
+    driver call each), handed out round-robin in 16-byte pieces of `words`. A piece is not handed out again
+    while its upload may be pending: `uploaded()` records an event, `take()` waits for older pieces' events
+    (NOTES: docs/B200_DESIGN.md#host-path-helpers). `new_event`: default `KernelQueueEvent`, a test's fake."""
 
     def __init__(self, words: int, new_event: Optional[Callable[[], object]] = None):
         self.words = words
@@ -647,20 +568,15 @@ _table_ring = PinnedTableRing(TABLE_RING_WORDS)
 
 def _int_tensor(typecode: str, values: tuple) -> torch.Tensor:
     """A CPU tensor of `values` (at least one) as array.array `typecode` ("q": int64, "i": int32) stores them.
-
-    NOTES: by the buffer protocol: torch.tensor parses a sequence element by element (a MoE step's 256 groups'
-    pointers and sizes took ~0.2 ms), array.array converts a tuple of ints in one C loop."""
+    NOTES: torch.tensor parses element by element (~0.2 ms for 256 groups); array.array is one C loop."""
     return torch.frombuffer(array.array(typecode, values), dtype=torch.int64 if typecode == "q" else torch.int32)
 
 
 def pack_group_metadata(contents: tuple, device: torch.device, work_words: Optional[torch.Tensor] = None) -> tuple:
     """The two tables every kernel reads, from `contents` (`launch_metadata_key`'s: the groups' pointers
-    column by column, `kernel_pointers`, and their sizes group by group), and after them the GEMM's work list
-    where it has one (`work_words`, int32 on the CPU): (pinned host staging piece, device buffer, pointer table
-    int64 [G, PtrColumn] and size table int32 [G, SizeColumn] as views of the device buffer, the work list's
-    view of it or None). The device buffer is not written here: the caller launches `TableUploadKernel`, which
-    copies the piece on the kernels' own queue (so a new input set never makes the host wait for queued
-    kernels, as a torch copy from pageable memory would), then calls `_table_ring.uploaded()`."""
+    column by column and their sizes group by group), then the GEMM's `work_words` where it has them:
+    (staging piece, device buffer, pointer table [G, PtrColumn], size table [G, SizeColumn], work list or None);
+    the caller uploads the piece (`TableUploadKernel`), then calls `_table_ring.uploaded()`."""
     pointers, sizes = contents
     num_groups = len(sizes) // len(SizeColumn)
     ptr_words, words = table_words(num_groups)
@@ -711,8 +627,7 @@ def descriptor_table(workspace_ptr, num_rows, slots: int):
 
 
 def kernel_tensors(abc, sfasfb_reordered) -> tuple:
-    """The tensors the kernels read and write (KERNEL_TENSOR_NAMES, the PtrColumn order), one tuple of every
-    group's per name."""
+    """The tensors the kernels read and write (KERNEL_TENSOR_NAMES, the PtrColumn order), a tuple per name."""
     a, b, c = zip(*abc)
     sfa_r, sfb_r = zip(*sfasfb_reordered)
     return a, b, c, sfa_r, sfb_r
@@ -725,10 +640,8 @@ def kernel_pointers(tensors: tuple) -> tuple:
 
 
 def launch_metadata_key(data, tile_mn: tuple = SM100_CONFIG.tile_mn, pointers: Optional[tuple] = None) -> tuple:
-    """Everything the launch metadata (tables, descriptor workspace) is built from: (device, tile shape (it
-    sets the tile count), the tables' contents: (`kernel_pointers`, given or read here, every group's
-    (m, n, k, l) one after another)); not strides, which `can_implement` pins to the sizes. Pure function of
-    tensor metadata; works on CPU tensors."""
+    """Everything the launch metadata (tables, descriptor workspace) is built from: (device, tile shape, the
+    tables' contents: (`kernel_pointers`, given or read here, every group's (m, n, k, l) one after another))."""
     abc, _, sfasfb_r, sizes = data
     if pointers is None:
         pointers = kernel_pointers(kernel_tensors(abc, sfasfb_r))
@@ -750,11 +663,8 @@ class LaunchMetadata:
     device_bytes: int = 0  # device memory the entry holds (tables, workspace, a work list of its own)
 
 
-# Bounded: the benchmark cycles through 15 input sets per shape; 64 covers that with room, and entries
-# of freed tensors fall out instead of piling up. And by bytes: a Hopper workspace holds the call's A as fp16
-# (a MoE prefill step of 32k routed tokens by K 7168: 470 MB), and in a serving loop every step is a new
-# entry, never used again; past LAUNCH_METADATA_CACHE_BYTES the oldest entries go (the newest stays, whatever
-# its size), and so do the prepared calls that hold them.
+# Bounded by entries (the benchmark cycles through 15 input sets per shape) and by bytes (a Hopper workspace
+# holds the call's A as fp16); the oldest go first, with their prepared calls (docs/B200_DESIGN.md#cache-bounds).
 LAUNCH_METADATA_CACHE_SIZE = 64
 LAUNCH_METADATA_CACHE_BYTES = 2 << 30
 _launch_metadata: "OrderedDict[tuple, LaunchMetadata]" = OrderedDict()
@@ -762,10 +672,7 @@ _launch_metadata: "OrderedDict[tuple, LaunchMetadata]" = OrderedDict()
 
 def drop_oldest(cache: dict, max_entries: int, max_bytes: int, nbytes: Callable[[object], int]) -> list:
     """Drops `cache`'s oldest entries (its iteration order first) while it holds more than `max_entries`, or
-    more than `max_bytes` by `nbytes` of its entries and more than one (the newest stays, whatever its size);
-    returns the dropped entries. The bytes are summed over dict.values: an OrderedDict's own view looks every
-    key up again, and a launch-metadata key (every group's pointers and sizes) costs microseconds to hash
-    (64 entries took ~0.3-0.6 ms per miss)."""
+    more than `max_bytes` by `nbytes` and more than one; returns them (NOTES: docs/B200_DESIGN.md#cache-bounds)."""
     held = sum(map(nbytes, dict.values(cache)))
     dropped = []
     while len(cache) > max_entries or (held > max_bytes and len(cache) > 1):
@@ -794,8 +701,7 @@ def cached_launch_metadata(key: tuple, build: Callable[[], LaunchMetadata]) -> L
 # ---------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class TableUploadConfig:
-    """Compile-time configuration of `TableUploadKernel` (the word count comes at run time, so one build serves
-    every group count: `compile_key` leaves the count out)."""
+    """Compile-time configuration of `TableUploadKernel` (one build serves every group count)."""
 
     threads: int = 128
 
@@ -812,9 +718,7 @@ def upload_args(raw_args: tuple) -> tuple:
 
 class TableUploadKernel:
     """Copies a launch's tables (`table_words(G)` int64 words, then the GEMM's work list where it has one:
-    `GemmSchedule.work_words`; the count at run time) from pinned host memory, which the GPU reads through
-    unified addressing, to their device buffer: one CTA, a strided loop of 64-bit loads and stores.
-    Launched on a launch-metadata miss ahead of every kernel that reads the tables, on the same queue."""
+    `GemmSchedule.work_words`) from pinned host memory to the device, ahead of every kernel that reads them."""
 
     def __init__(self, config: TableUploadConfig):
         self.threads = config.threads
@@ -844,8 +748,7 @@ def group_tile_coord(
     num_groups: cutlass.Constexpr[int],
 ):
     """Output tile `tile_idx` of all groups' tile grids laid end to end -> (group, tile row, tile column).
-    Tiles are numbered group by group, M fastest within a group; the grid holds exactly the total tile count,
-    so the last group takes whatever is left untested. (Seed kernel: one search per CTA.)"""
+    Group by group, M fastest; the grid is the total tile count, so the last group takes what is left."""
     group_idx = cutlass.Int32(0)
     tile_in_group = tile_idx
     for g in cutlass.range_constexpr(num_groups - 1):
@@ -861,16 +764,8 @@ def group_tile_coord(
 
 class GroupTileScheduler:
     """Static persistent schedule over the output tiles of all groups (arch-neutral).
-
-    Tiles are numbered group by group, M fastest inside a group: CTAs that run at the same time work on
-    neighbouring M tiles of one N column and so share that B tile (the large operand) through L2. CTA b
-    takes tiles b, b + grid, b + 2 grid, ... below `num_tiles`; every warp role of a CTA walks the same
-    sequence on its own, so the roles need no scheduling messages. A tile's group is found by a forward
-    search resuming where the previous tile's stopped (a CTA's tile index only grows): over a launch a CTA
-    reads each group's size row at most once, whatever G is, and no loop is unrolled over G. The walk state
-    is four Int32 values (tile, group, first tile of the group, tiles in the group) that the role loops
-    carry; this object holds only the size table and the tile shape.
-    """
+    Tiles numbered group by group, M fastest; CTA b takes tiles b, b + grid, ..., every warp role walking them
+    itself, a forward search finding each tile's group (docs/B200_DESIGN.md#group-tile-scheduler)."""
 
     def __init__(self, size_table: cute.Tensor, tile_m: int, tile_n: int):
         self.size_table = size_table
@@ -914,9 +809,8 @@ class GroupTileScheduler:
 
 
 def make_operand_tensors(a_addr, b_addr, sfa_addr, sfb_addr, m, n, k, ab_dtype, sf_dtype, sf_vec_size: int):
-    """Global tensors A (m, k, l), B (n, k, l) (K contiguous) and their blocked scale tensors: built by the
-    host on placeholder addresses and sizes to make the TMA atoms, by the kernel on each group's real ones to
-    rewrite the descriptors, so one statement of the layouts serves both."""
+    """Global tensors A (m, k, l), B (n, k, l) (K contiguous) and their blocked scale tensors: one statement of
+    the layouts for the host's TMA atoms (placeholders) and the kernel's descriptors (each group's)."""
     a_ptr, b_ptr, sfa_ptr, sfb_ptr = (
         cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=GMEM_ALIGN_BYTES)
         for dtype, addr in ((ab_dtype, a_addr), (ab_dtype, b_addr), (sf_dtype, sfa_addr), (sf_dtype, sfb_addr))
@@ -942,13 +836,8 @@ def make_output_tensor(c_addr, m, n, c_dtype):
                                                                       cute.assume(m * n, 128))))
 
 
-# NOTES: `TensorMapManager.init_tensormap_from_atom` (`cpasync.copy_tensormap`) copies all 128 bytes of a
-# host-made descriptor into shared memory on DSL 4.3.5, but only the first 64 on 4.5.2 and 4.8.1 (ld.param.v2
-# at +0, +16, +32, +48), and `tensormap.cp_fenceproxy` publishes all 128: bytes 64-127 of every published
-# descriptor would be whatever shared memory held. So the templates are staged here, whole and the same way on
-# every version. A template is a kernel parameter; the DSL keeps its address in the executable TMA atom's
-# descriptor-pointer field (the one `cute.copy(..., tma_desc_ptr=...)` overrides), and the 16 words read
-# through it lower to ld.param (the DSL offers no public accessor, hence the dialect ops).
+# NOTES: the DSL's own template copy stages only 64 of the 128 bytes on 4.5.2 and 4.8.1, so the templates are
+# staged here, whole, through dialect ops (docs/B200_DESIGN.md#descriptor-templates-staged-whole).
 _TMA_ATOM_FIELD_KINDS = ((cpasync.CopyBulkTensorTileS2GOp, "tmastore"),
                          (cpasync.CopyReduceBulkTensorTileS2GOp, "tmareduce"))
 
@@ -967,7 +856,7 @@ def descriptor_template_words(atom: cute.CopyAtom) -> cute.Tensor:
 @cute.jit
 def stage_descriptor_templates(atoms: tuple, smem_ptrs: tuple, warp_id: cutlass.Constexpr[int]):
     """All 128 bytes of each host-made descriptor of `atoms` into the shared-memory slot at the matching
-    `smem_ptrs` (Int64 pointers), from one lane of warp `warp_id`, then syncs that warp (see the NOTES above)."""
+    `smem_ptrs` (Int64 pointers), from one lane of warp `warp_id`, then syncs that warp."""
     if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == warp_id:
         with cute.arch.elect_one():
             for atom, smem_ptr in zip(atoms, smem_ptrs):
@@ -978,15 +867,8 @@ def stage_descriptor_templates(atoms: tuple, smem_ptrs: tuple, warp_id: cutlass.
         cute.arch.sync_warp()
 
 
-# NOTES: NVIDIA driver 595.71.05 release notes, known issues: on Blackwell, cuTensorMapEncodeTiled and
-# cuTensorMapEncodeIm2col may wrongly set bit 85 of a TMA descriptor (the 128 KB out-of-bounds address mode)
-# when the tensor's allocation is under 128 KB and the tensor is not dense and non-overlapping: sporadic illegal
-# memory accesses or MMU faults. NVIDIA's workaround, which CUTLASS C++ and Triton apply after encoding, is to
-# clear the bit: bit 21 of the descriptor's 64-bit word 1. Every B200 descriptor here starts as a copy of a
-# template the DSL encoded on the host (a TMA atom on placeholder tensors, by whichever encoder that DSL version
-# calls), and `tensormap.replace` patches address, sizes and strides without touching the bit; so it is cleared
-# on the device, in the copy staged in shared memory before its release, which covers every DSL version's
-# templates. Blackwell only: Hopper's descriptors (sm_90a) keep every bit as encoded.
+# NOTES: a Blackwell driver issue may set bit 85 (the 128 KB out-of-bounds mode) of an encoded descriptor; it is
+# cleared in the staged copy, bit 21 of word 1, as CUTLASS and Triton do (docs/B200_DESIGN.md#descriptor-bit-85).
 TMA_DESC_OOB_128K_WORD = 1
 TMA_DESC_OOB_128K_BIT = 21
 
@@ -994,8 +876,7 @@ TMA_DESC_OOB_128K_BIT = 21
 @cute.jit
 def clear_oob_128k_bit(smem_ptrs: tuple):
     """Clears bit 85 (the 128 KB out-of-bounds address mode) of each TMA descriptor staged in shared memory
-    at `smem_ptrs` (Int64 pointers), from one lane of the calling warp, then syncs the warp so that its later
-    `tensormap.replace` and release see the cleared word. Blackwell only (see the NOTES above)."""
+    at `smem_ptrs` (Int64 pointers), from one lane of the calling warp, then syncs the warp. Blackwell only."""
     with cute.arch.elect_one():
         for smem_ptr in smem_ptrs:
             words = cute.make_tensor(smem_ptr, cute.make_layout(TENSORMAP_BYTES // 8))
@@ -1005,15 +886,9 @@ def clear_oob_128k_bit(smem_ptrs: tuple):
 
 class TmaDescriptorRows:
     """Where a kernel's TMA descriptors live in its global workspace (rows of `len(Sm100TensorMapSlot)`
-    128-byte descriptors) and how a warp role gets them. A DSL value (the role loops carry it); its runtime
-    parts are the workspace tensor, the CTA index and the shared-memory staging pointer.
-
-    up_front=True (the GEMMs): row g holds group g's descriptors, written before the kernel by
-      `GroupTensormapKernel`; a role only acquires a row (fence.proxy.tensormap) when its tile changes group.
-    up_front=False (the preparation kernel, CTA b writes row b): `stage_from_atoms` copies the host-made
-      descriptors into shared-memory staging slots; `patch` rewrites a group's address and sizes there and
-      releases the result to the row.
-    """
+    128-byte descriptors) and how a warp role gets them. up_front=True (the GEMMs): row g is group g's, only
+    acquired; False (the preparation kernel): CTA b stages, patches and releases row b (NOTES:
+    docs/B200_DESIGN.md#tma-descriptor-rows)."""
 
     def __init__(self, up_front: bool, tensormaps: cute.Tensor, cta_idx, smem_staging_ptr=None):
         self.up_front = up_front
@@ -1055,14 +930,12 @@ class TmaDescriptorRows:
         return self.smem_staging_ptr + int(slot) * (TENSORMAP_BYTES // 8)
 
     def stage_from_atoms(self, atoms: tuple, slots: tuple, warp_id: int):
-        """Per-CTA rows only: the host-made descriptors of `atoms`, whole, into the staging slots (by `warp_id`;
-        `stage_descriptor_templates`)."""
+        """Per-CTA rows only: the host-made descriptors of `atoms`, whole, into the staging slots (by `warp_id`)."""
         if not self.up_front:
             stage_descriptor_templates(atoms, tuple(self._smem_ptr(slot) for slot in slots), warp_id)
 
     def clear_oob_128k_bit(self, slots: tuple):
-        """Per-CTA rows only, Blackwell only, by the staging warp between `stage_from_atoms` and `patch`: bit
-        85 of the staged descriptors cleared (`clear_oob_128k_bit`)."""
+        """Per-CTA rows only, Blackwell only, between `stage_from_atoms` and `patch`: bit 85 cleared."""
         clear_oob_128k_bit(tuple(self._smem_ptr(slot) for slot in slots))
 
     def patch(self, tensors: tuple, atoms: tuple, slots: tuple, warp_id: int):
@@ -1100,9 +973,7 @@ class TensorMapSlot(enum.IntEnum):
 
 class Sm100LoadSetup:
     """The block-scaled MMA, staged shared-memory layouts of A, B, SFA, SFB and their TMA load atoms, made on
-    placeholder tensors (both Blackwell kernels; each group's descriptors get its real addresses and sizes).
-    The placeholder sizes are runtime values: static ones would fix the extent of the TMA coordinate
-    tensors, which the kernels tile for every group."""
+    placeholder tensors of runtime sizes (static ones would fix the TMA coordinate tensors' extent)."""
 
     def __init__(self, tiled_mma, tiled_mma_sfb, smem_layouts_staged, atoms, gmem_tensors, stage_bytes):
         self.tiled_mma = tiled_mma
@@ -1148,8 +1019,7 @@ class Sm100LoadSetup:
 
 
 def sm100_s2t_copy_and_partition(sf_dtype, sSF, tCtSF):
-    """tcgen05.cp of one scale tensor from shared to tensor memory, and its source/destination views
-    (both Blackwell kernels)."""
+    """tcgen05.cp of one scale tensor from shared to tensor memory, and its source/destination views."""
     copy_atom_s2t = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), sf_dtype)
     # (MMA, MMA_MN, MMA_K, STAGE)
     tCsSF_compact = cute.filter_zeros(sSF)
@@ -1167,20 +1037,10 @@ def sm100_s2t_copy_and_partition(sf_dtype, sSF, tCtSF):
 class Sm100BlockScaledGroupedGemmKernel:
     """NVFP4 grouped GEMM on tcgen05: C_g = (A_g * SFA_g) @ (B_g * SFB_g)^T, one CTA per 128x128 tile.
 
-    Grid: (total output tiles over all groups, 1, 1); CTA t finds its group and tile with
-    `group_tile_coord` from the int32 size table. 128 threads:
-
-    * warp 0 writes the CTA's four TMA descriptors (A, B, SFA, SFB) for its group: copies the host-made
-      templates into shared memory, patches base address and sizes, releases them to this CTA's slot
-      of the global workspace, then, per 256-deep K tile: TMA loads A, B, SFA, SFB (ab pipeline,
-      producer: TMA transaction bytes, consumer: warp 0), copies the scales to tensor memory, issues
-      four 128x128x64 block-scaled MMAs into the tensor-memory accumulator, and releases the stage.
-      After the last K tile it commits the accumulator (acc pipeline, producer: warp 0's MMA commit).
-    * warps 0-3 (epilogue, acc pipeline consumer, 128 arrivals): thread i loads accumulator row i
-      (tensor-memory lane i) to registers, converts to fp16 and stores the valid columns of that row.
-
-    Shared memory: 4 descriptors (512 B), barriers, the tensor-memory address, one stage of A and B
-    (16 KiB each, 128-byte swizzle, 1024-byte aligned) and of SFA and SFB (2 KiB each).
+    Grid: total output tiles (`group_tile_coord`). 128 threads: warp 0 writes the CTA's four TMA descriptors,
+    then per 256-deep K tile loads A, B, SFA, SFB (ab pipeline), copies the scales to tensor memory and issues
+    four 128x128x64 MMAs, then commits (acc); warps 0-3 (epilogue): thread i stores row i as fp16, predicated.
+    NOTES: docs/B200_DESIGN.md#seed-kernel (pipelines, shared memory).
     """
 
     num_tensormaps = len(TensorMapSlot)
@@ -1210,8 +1070,7 @@ class Sm100BlockScaledGroupedGemmKernel:
         # (tile, descriptor, 16 x int64): 512 bytes per CTA
         tensormaps = descriptor_table(tensormap_workspace_ptr, num_tiles, self.num_tensormaps)
 
-        # The TMA atoms are made once on placeholder tensors; each CTA rewrites address and sizes in its
-        # own copy of the descriptors.
+        # The TMA atoms are made once on placeholder tensors; each CTA patches its own copy of the descriptors.
         loads = Sm100LoadSetup.make(cfg, cfg.num_ab_stages, cutlass.Int32(64))
         tiled_mma = loads.tiled_mma
         a_smem_layout_staged, b_smem_layout_staged, sfa_smem_layout_staged, sfb_smem_layout_staged = \
@@ -1434,8 +1293,7 @@ class Sm100BlockScaledGroupedGemmKernel:
     # -----------------------------------------------------------------------------------------------------
     @cute.jit
     def _write_tensormaps(self, warp_idx, tensormap_manager, tma_atoms, group_tensors, gmem_ptrs, smem_ptrs):
-        """Copy the host-made descriptors, whole, to shared memory (`stage_descriptor_templates`), clear their bit
-        85 (`clear_oob_128k_bit`), patch in the group's tensors, release to gmem."""
+        """Stage the host-made descriptors whole, clear their bit 85, patch in the group's tensors, release."""
         if warp_idx == 0:
             stage_descriptor_templates(tma_atoms, smem_ptrs, 0)
             clear_oob_128k_bit(smem_ptrs)
@@ -1571,32 +1429,21 @@ class Sm100TmaSetup:
 class Sm100PersistentGroupedGemmKernel:
     """NVFP4 grouped GEMM on tcgen05, persistent and warp-specialized: C_g = (A_g * SFA_g) @ (B_g * SFB_g)^T.
 
-    Grid: (min(output tiles, SMs), 1, 1), one CTA per SM (shared memory is sized for one). Every role walks
-    the tiles b, b + grid, ... of `GroupTileScheduler`. 192 threads, roles by warp (`Sm100Warp`):
+    Grid: (min(output tiles, SMs), 1, 1), one CTA per SM; every role walks the tiles b, b + grid, ... of
+    `GroupTileScheduler`. 192 threads, roles by warp (`Sm100Warp`):
 
-    * warp 5, TMA producer. Per 256-deep K step: TMA loads of A, B, SFA, SFB into stage s of the ab
-      pipeline, through the descriptors of the tile's group (see "Descriptors").
-    * warp 4, MMA issuer. Per tile: waits for a free accumulator stage; per K step waits for stage s, copies
-      SFA/SFB from shared to tensor memory (tcgen05.cp), issues four 128xNx64 block-scaled MMAs and
-      releases stage s when they complete (tcgen05.commit); then commits the accumulator.
-    * warps 0-3, epilogue. Warp 0 allocates tensor memory and issues the C stores. Per tile: waits for the
-      accumulator; per 128x32 slice: tensor memory -> registers (thread i = row i) -> fp16 -> shared-memory
-      slice c -> TMA store by warp 0 (rows >= M clipped by the TMA unit); releases the accumulator after
-      the last slice.
+    * warp 5, TMA producer: per 256-deep K step, loads of A, B, SFA, SFB into stage s of the ab pipeline.
+    * warp 4, MMA issuer: per K step, tcgen05.cp of the scales to tensor memory and four 128xNx64 MMAs,
+      stage s released on their commit; per tile, the accumulator committed.
+    * warps 0-3, epilogue: per 128x32 slice, tensor memory -> registers -> fp16 -> shared memory -> TMA store
+      by warp 0 (rows >= M clipped); the accumulator released after the last slice.
 
     Pipelines (producer -> consumer, arrive counts):
       ab   PipelineTmaUmma   num_ab_stages   TMA warp (expect-tx of one stage's bytes) -> MMA warp (commit)
       acc  PipelineUmmaAsync num_acc_stages  MMA warp (commit) -> 4 epilogue warps (one elected lane each)
-      c    PipelineTmaStore  num_c_stages    epilogue warp 0's bulk groups (wait until a slice's store has
-                                             read shared memory before the slice is rewritten)
-
-    Descriptors: one row of 5 per group, written once per input set by `GroupTensormapKernel` (one CTA per
-    group) before the first launch on it; the roles only acquire (fence.proxy.tensormap) a group's row when
-    their tile changes group and never rewrite one, so no TMA load or store is ever in flight on a
-    descriptor being rewritten (the race of NVIDIA/cutlass #3165).
-
-    Tensor memory: num_acc_stages x N fp32 columns of accumulator, then one K step of SFA and of SFB.
-    Shared memory: header (barriers, tensor-memory address), C slices, A, B, SFA, SFB stages.
+      c    PipelineTmaStore  num_c_stages    epilogue warp 0's bulk groups
+    Descriptors: a row per group, prepared by `GroupTensormapKernel`, only acquired here, never rewritten
+    (NOTES: docs/B200_DESIGN.md#persistent-kernel-spec: descriptors, tensor and shared memory).
     """
 
     threads_per_cta = 32 * len(Sm100Warp)
@@ -2105,14 +1952,8 @@ class Sm100PersistentGroupedGemmKernel:
 
 class GroupTensormapKernel:
     """Writes every group's TMA descriptors for a GEMM that prepares them up front (the Blackwell persistent
-    kernel and the Hopper kernel: both arches run this code).
-
-    Grid (G, 1, 1), one warp per CTA: CTA g stages the GEMM's host-made descriptors (its own
-    `descriptor_atoms`) in shared memory, clears their bit 85 where the GEMM `clears_oob_128k_bit`
-    (Blackwell), patches in group g's addresses and sizes (`group_descriptor_tensors`) and releases them to
-    workspace row g; an empty group's row stays unwritten (no tile reads it). Launched once per input set on
-    a launch-metadata miss, after the table upload and ahead of the first GEMM on that workspace, on the same
-    queue: the GEMM (programmatic dependent launch) waits for it before its first global access.
+    kernel and the Hopper kernel: both arches run this code). One warp per group: CTA g stages, clears bit 85
+    where the GEMM `clears_oob_128k_bit`, patches and releases row g (docs/B200_DESIGN.md#descriptor-preparation).
     """
 
     def __init__(self, gemm):
@@ -2173,8 +2014,7 @@ class GemmSchedule:
     num_ctas: int
     workspace_bytes: int  # descriptors (and the arch's own scratch) the launch's workspace holds
     counts: tuple  # the GEMM's launch ints after the table addresses (and the work list's)
-    # a work list the GEMM reads (int32 words on the CPU): uploaded with the tables, its device address the
-    # GEMM's launch argument after the three table addresses
+    # a work list (int32 on the CPU), uploaded after the tables; its address follows the three table addresses
     work_words: Optional[torch.Tensor] = None
     prepass_counts: tuple = ()  # a prepass launch's ints after the table addresses; () when there is none
 
@@ -2185,17 +2025,9 @@ WEIGHT_SHAPE_CHOICES = 256
 
 class KernelBackend:
     """One arch's kernels behind the shared host path; each method is one decision the host path leaves to
-    the arch. A backend lives in its kernel's file and registers itself (`register_backend`).
-
-      config(sizes, num_sms)       what custom_kernel runs, by the arch's variant setting (the tile chosen
-                                   per weight shape: `weight_shape_choice`)
-      compile_config(variant)      what compile_for builds by name (None: the arch's default)
-      key_config(config)           the config as the compile key holds it: what is baked in
-      parts(config)                the compiled kernels a variant launches, "gemm" first
-      compile(part, config, G, options)          cute.compile of one part at placeholder arguments
-      schedule(config, sizes, device, num_sms)   its GemmSchedule
-      call_launcher(G, arch, config, kernel, metadata)   what one call launches
-    """
+    the arch: `config` (what custom_kernel runs), `compile_config` (what compile_for builds by name), `key_config`
+    (what the compile key holds), `parts` (its kernels, "gemm" first), `compile`, `schedule` (its GemmSchedule),
+    `call_launcher`. A backend lives in its kernel's file and registers itself (docs/B200_DESIGN.md#arch-backends)."""
 
     arch_prefix = ""  # the target arches it builds for start so ("sm_100a": "sm_10")
     config_types: tuple = ()  # the config classes it compiles
@@ -2206,11 +2038,7 @@ class KernelBackend:
 
     def weight_shape_choice(self, sizes, num_sms: int, choose: Callable):
         """`choose(sizes, num_sms)` (the arch's per-problem choice) on the first call of a weight shape (the
-        group count, each group's N and K) and SM count; later calls of that shape with other M (a MoE
-        layer's routing: other experts empty, other token counts) keep it. Each choice is its own compiled
-        kernel, so a new routing never switches to one not yet built (seconds, in a serving loop); the
-        price is that a shape keeps the choice its first problem got (`set_variant` and
-        `submission_sm90.set_sm90_variant` force one)."""
+        group count, each group's N and K) and SM count, kept for other M (docs/B200_DESIGN.md#arch-backends)."""
         shape = (tuple((n, k) for _, n, k, _ in sizes), num_sms)
         config = self._weight_shape_choices.get(shape)
         if config is None:
@@ -2344,9 +2172,8 @@ _compiled_kernels: dict = {}
 
 
 def kernel_args(raw_args: tuple, num_tables: int = 3) -> tuple:
-    """The DSL arguments of a kernel from plain ints: pointer table, size table, descriptor workspace
-    (addresses; their dtype and alignment are part of the compiled signature), with num_tables=4 the Hopper
-    GEMM's work list, then Int32 counts."""
+    """The DSL arguments of a kernel from plain ints: pointer table, size table, descriptor workspace (and with
+    num_tables=4 the Hopper GEMM's work list) as typed, aligned pointers, then Int32 counts."""
     dtypes_aligns = ((cutlass.Int64, METADATA_ALIGN_BYTES), (cutlass.Int32, METADATA_ALIGN_BYTES),
                      (cutlass.Int64, TENSORMAP_BYTES), (cutlass.Int32, METADATA_ALIGN_BYTES))[:num_tables]
     tables = tuple(gmem_ptr(dtype, address, align) for (dtype, align), address in zip(dtypes_aligns, raw_args))
@@ -2383,13 +2210,9 @@ def _tvm_ffi_importable() -> bool:
     return True
 
 
-# "tvm_ffi": the DSL's TVM-FFI entry (`--enable-tvm-ffi`), plain ints in one C call (needs apache-tvm-ffi).
-# "prepacked" (the default, every DSL version): the DSL's ctypes entry, its argument array packed once per
-#     prepared call, so a launch is one ctypes call into the compiled host function.
-# "dsl": the DSL's documented call path (`generate_execution_args` once, `run_compiled_program` per call).
-# NOTES: measured host time per cached call, H200 host, one process per DSL: 4.5.2 (the runner's today, which
-# has no apache-tvm-ffi anyway) prepacked 5.04 us vs tvm_ffi 7.62; 4.3.5 and 4.8.1 within noise of each other
-# (docs/HISTORY.md). So "tvm_ffi" is opt-in, not the default where the package happens to import.
+# "tvm_ffi": the DSL's TVM-FFI entry, plain ints in one C call (needs apache-tvm-ffi); "prepacked" (the default):
+# the DSL's ctypes entry, its argument array packed once per prepared call; "dsl": the DSL's documented path.
+# NOTES: prepacked measured fastest per cached call, tvm_ffi opt-in (docs/B200_DESIGN.md#launch-paths-measured).
 LAUNCH_PATHS = ("tvm_ffi", "prepacked", "dsl")
 DEFAULT_LAUNCH_PATH = "prepacked"
 LAUNCH_PATH = _choice_from_env("NVFP4_LAUNCH_PATH", DEFAULT_LAUNCH_PATH, LAUNCH_PATHS)
@@ -2429,9 +2252,8 @@ def _executor(kernel: Callable, device_index: int):
 
 def make_launcher(kernel: Callable, raw_args: tuple, to_dsl: Callable = kernel_args) -> Callable[[], object]:
     """A no-argument callable that launches `kernel`, compiled for _launch_abi(), with `raw_args` (plain ints;
-    `to_dsl` makes the ctypes entry's DSL arguments from them), by LAUNCH_PATH. With "prepacked" the DSL's
-    executor (bound to the current device, as the DSL's own call binds it) packs the C argument array once;
-    it points at storage the converted arguments own, so the closure keeps them alive."""
+    `to_dsl` makes the ctypes entry's DSL arguments from them), by LAUNCH_PATH. "prepacked" packs the C argument
+    array once, pointing at storage the converted arguments own, which the closure keeps alive."""
     if _launch_abi() == "tvm_ffi":
         # 4.8 wraps the TVM-FFI function for keyword arguments; the positional function is underneath.
         return functools.partial(getattr(kernel, "_tvm_ffi_function", None) or kernel, *raw_args)
@@ -2502,36 +2324,14 @@ def make_call_launcher(num_groups: int, arch: str, config, kernel: Callable, met
 
 
 def compile_for(num_groups: int, arch: Optional[str] = None, variant: Optional[str] = None) -> Callable:
-    """Build the kernels for `num_groups` groups, without launching them, through custom_kernel's cache. The
-    DSL builds for CUTE_DSL_ARCH when it is set (no GPU needed), else for the current GPU; `arch`, when
-    given, must name that target. `variant`: one of the target backend's `variant_configs` (default: the
-    arch's own choice without sizes). Returns the compiled GEMM; the variant's other kernels are built after it.
-    To keep the cubin: CUTE_DSL_DUMP_DIR plus CUTE_DSL_KEEP_CUBIN=1 (4.3.x) or CUTE_DSL_KEEP=cubin (4.8.x).
-    Without a CUDA driver, 4.3.x writes the cubin, then raises DSLRuntimeError ("ICE ... CudaDriverDependency
-    Error") while loading it, so only the GEMM is built; 4.8.x loads lazily and returns."""
+    """Build the kernels for `num_groups` groups, without launching them, through custom_kernel's cache, for
+    CUTE_DSL_ARCH when set (no GPU needed), else the current GPU (`arch` must name that target); `variant`: one
+    of its backend's `variant_configs`. Returns the compiled GEMM (docs/B200_DESIGN.md#building-without-a-gpu)."""
     target = _target_arch(None)
     if arch is not None and arch != target:
         raise ValueError(f"compile_for(arch={arch!r}), but the DSL builds for {target!r} (CUTE_DSL_ARCH or the GPU)")
     config = backend_for_arch(target).compile_config(variant)
     return [compiled_kernel(compile_key(num_groups, target, config, part)) for part in kernel_parts(config)][0]
-
-
-def build_kernels(problem_sizes, device: Optional[torch.device] = None) -> list:
-    """Build, without launching, every kernel custom_kernel launches for groups of these sizes ((m, n, k, l)
-    each) on `device` (default: the current GPU), by custom_kernel's own choices and cache: `kernel_config`'s
-    GEMM for LAUNCH_PATH, its other parts and the table upload. Returns their compile keys (none when every
-    group is empty). `eval.py bringup` builds each variant's kernels with it before its cases run."""
-    sizes = [tuple(size) for size in problem_sizes]
-    if first_launched_group(sizes) is None:
-        return []
-    device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
-    _check_device(device)
-    arch, config = _target_arch(device), kernel_config((None, None, None, sizes), device)
-    keys = [compile_key(len(sizes), arch, config, part) for part in kernel_parts(config)]
-    keys.append(compile_key(len(sizes), arch, TABLE_UPLOAD_CONFIG, "upload"))
-    for key in keys:
-        compiled_kernel(key)
-    return keys
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -2551,8 +2351,7 @@ KERNEL_TENSOR_NAMES = ("a", "b", "c", "sfa_reordered", "sfb_reordered")
 @functools.lru_cache(maxsize=4096)
 def _group_spec(size: tuple) -> tuple:
     """(reason, None) if problem size (m, n, k, l) cannot run, else (None, per-tensor (dtype, shape, strides)),
-    strides being what the kernel reads the tensor with (None: not read). Cached, so the per-call check only
-    compares tensor metadata with this table."""
+    strides being what the kernel reads the tensor with (None: not read). Cached."""
     m, n, k, l = size
     if l != 1:
         return "L must be 1", None
@@ -2586,9 +2385,7 @@ def _group_spec(size: tuple) -> tuple:
 @functools.lru_cache(maxsize=4096)
 def _group_signature(size: tuple) -> Optional[tuple]:
     """What `_group_metadata` reads from a group of size (m, n, k, l) whose tensors are laid out exactly as
-    the task's generator makes them (`_group_spec`'s dtypes, shapes and strides; the plain scales' strides
-    are not read), or None where the size cannot run. Equal metadata is `can_implement`'s fast path: the
-    per-tensor checks, which also accept other strides of length-1 dimensions, run only where it differs."""
+    the task's generator makes them, or None where the size cannot run: `can_implement`'s fast path."""
     _, spec = _group_spec(size)
     if spec is None:
         return None
@@ -2641,8 +2438,7 @@ KERNEL_DEVICE_TYPE = "cuda"
 def check_problem_sizes(problem_sizes) -> tuple:
     """(True, "") if custom_kernel can run groups of these sizes ((m, n, k, l) each), else (False, reason
     naming the group): `can_implement`'s size rules alone, without tensors. Per group a 4-tuple of ints that
-    `_group_spec` accepts; at least one group; fewer than 2**31 output tiles in all. `eval.py` checks a case
-    file's cases with it before anything is built or run."""
+    `_group_spec` accepts; at least one group; fewer than 2**31 output tiles in all."""
     if not isinstance(problem_sizes, (list, tuple)):
         return False, f"problem_sizes must be a list, got {type(problem_sizes).__name__}"
     if len(problem_sizes) == 0:
@@ -2665,13 +2461,8 @@ def can_implement(data) -> tuple:
     """(True, "") if `custom_kernel(data)` can run this input, else (False, reason).
 
     The one statement of the constraint set, with `_group_spec` (its size rules alone: `check_problem_sizes`);
-    pure Python on tensor metadata, no GPU needed. Per group: the size rules; dtypes and shapes of all seven
-    tensors; the strides the kernel reads a, b, c and both blocked scales with (none for a tensor without
-    elements: nothing to step through). The plain scales are not read: only dtype and shape are checked, and
-    they may stay on the CPU, as the task's generator leaves them. Layouts of all groups come first, so a
-    wrong one is reported as such on CPU tensors too; then every tensor of the groups with M > 0 must be on
-    one CUDA device, 16-byte aligned. A group with M = 0 is never read or written (its empty tensors may have
-    any address, even 0); an input whose groups are all empty needs no device.
+    pure Python on tensor metadata, no GPU needed: every group's sizes and tensor layouts first, then one CUDA
+    device and 16-byte alignment for the groups with M > 0 (docs/B200_DESIGN.md#constraint-check).
     """
     reason, _ = _check_input(data)
     return not reason, reason
@@ -2679,8 +2470,7 @@ def can_implement(data) -> tuple:
 
 def _check_input(data) -> tuple:
     """`can_implement`'s answer as (reason, pointers): reason "" where custom_kernel can run `data`, and then
-    its `kernel_pointers`, read once for the alignment check and the launch metadata (None where every group
-    is empty: nothing is launched)."""
+    its `kernel_pointers`, read once for the alignment check and the launch metadata (None: all groups empty)."""
     if not (isinstance(data, (tuple, list)) and len(data) == 4):
         return "data must be a 4-tuple (abc_tensors, sfasfb_tensors, sfasfb_reordered_tensors, problem_sizes)", None
     names = ("abc_tensors", "sfasfb_tensors", "sfasfb_reordered_tensors", "problem_sizes")
@@ -2720,9 +2510,8 @@ def _check_input(data) -> tuple:
 
 
 def _layout_reason(abc, sfasfb, sfasfb_r, sizes) -> str:
-    """Why the first group whose layout `custom_kernel` cannot read cannot be read, or "" where all can: group
-    by group the generator's exact layout first, the per-tensor checks (which also accept other strides of
-    length-1 dimensions) only where it differs."""
+    """Why the first group whose layout `custom_kernel` cannot read cannot be read, or "" where all can: the
+    generator's exact layout first, the per-tensor checks (any stride of a length-1 dimension) where it differs."""
     for i, size in enumerate(sizes):
         size = tuple(size)
         try:
@@ -2746,8 +2535,7 @@ def _layout_reason(abc, sfasfb, sfasfb_r, sizes) -> str:
 
 def _placement_reason(tensors: tuple, sizes, first: int, device: torch.device) -> str:
     """Why the kernel cannot read the first tensor (of `kernel_tensors`, in group order) of a group with M > 0
-    that is not on `device`, group `first`'s (the first with M > 0), or not aligned for TMA; called where one
-    is."""
+    that is not on `device` (group `first`'s) or not aligned for TMA; called where one is."""
     for i, size in enumerate(sizes):
         if size[0] == 0:
             continue
@@ -2785,8 +2573,7 @@ def _build_launch_metadata(data, device: torch.device, config, contents: tuple) 
 
 
 def kernel_config(data, device: torch.device):
-    """The config custom_kernel runs for this input on this device: its arch backend's choice (the B200 tile
-    of the weight shape's first problem or KERNEL_VARIANT's; on Hopper submission_sm90.SM90_VARIANT's), with
+    """The config custom_kernel runs for this input on this device: its arch backend's choice (`config`), with
     USE_PDL as set now."""
     config = backend_for_arch(_target_arch(device)).config(data[3], _device_sm_count(device.index))
     if getattr(config, "use_pdl", USE_PDL) != USE_PDL:  # set_pdl() since import
@@ -2796,8 +2583,7 @@ def kernel_config(data, device: torch.device):
 
 def launch_metadata(data, device: torch.device, config=None, pointers: Optional[tuple] = None) -> LaunchMetadata:
     """The launch metadata of `config` (default: kernel_config) for these pointers (`kernel_pointers`, given
-    or read here) and sizes, built (and its descriptors prepared, where the kernel prepares them up front) on
-    a cache miss."""
+    or read here) and sizes, built (descriptors prepared where the kernel has that part) on a cache miss."""
     config = config or kernel_config(data, device)
     key = (config, launch_metadata_key(data, config.tile_mn, pointers))
 
@@ -2815,8 +2601,7 @@ def launch_metadata(data, device: torch.device, config=None, pointers: Optional[
 @dataclasses.dataclass(frozen=True)
 class _PreparedCall:
     """Everything a repeated call on the same input objects needs: the launch, nothing else. It holds the
-    input's lists and their items (per-group tuples), so none of them can be freed and its id reused while
-    the entry lives; it is used only when the call's lists and every item are these very objects."""
+    input's lists and their items, so no id of them is reused while the entry lives."""
 
     lists: tuple  # (abc_tensors, sfasfb_reordered_tensors, problem_sizes) of the call
     items: tuple  # their items when the entry was made
@@ -2826,10 +2611,8 @@ class _PreparedCall:
     held_bytes: int = 0  # bytes of the A, SFA and C tensors it keeps alive (from the sizes)
 
 
-# The benchmark times 15 input sets per shape; 16 entries hold them and drop the untimed check copies. An
-# entry keeps its call's tensors alive, and in a serving loop no input is seen twice, so the entries would
-# hold that many steps of activations (a 4096-token prefill step of DeepSeek-V3 gate/up: 268 MB of C each):
-# past PREPARED_CALL_CACHE_BYTES of A, SFA and C held the oldest go (the newest stays, whatever its size).
+# The benchmark times 15 input sets per shape; 16 entries hold them. An entry keeps its call's tensors alive,
+# so past PREPARED_CALL_CACHE_BYTES of them the oldest go (docs/B200_DESIGN.md#prepared-calls).
 PREPARED_CALL_CACHE_SIZE = 16
 PREPARED_CALL_CACHE_BYTES = 1 << 30
 _prepared_calls: dict = {}
@@ -2837,11 +2620,7 @@ _prepared_calls: dict = {}
 
 def _prepared_call(data) -> Optional[_PreparedCall]:
     """The prepared call for exactly these input objects, or None (then the full path runs).
-
-    NOTES: identity of the lists and of each item (C-level `map(is_)`, no Python loop over groups) is what
-    is checked. A tensor object whose storage is swapped in place (`.data =`, `set_`) after a first call
-    is not detected; the task's harness never does that, and a new tensor always misses.
-    """
+    NOTES: identity of the lists and of each item is checked (docs/B200_DESIGN.md#prepared-calls)."""
     entry = _prepared_calls.get((KERNEL_VARIANT, LAUNCH_PATH, USE_PDL, id(data)))
     if entry is None or type(data) is not tuple or len(data) != 4:
         return None
@@ -2860,8 +2639,7 @@ def forget_prepared_calls() -> None:
 
 
 def _forget_prepared_calls_of(dropped: list) -> None:
-    """Drops the prepared calls that hold launch metadata the metadata cache dropped (so its device memory
-    goes with it)."""
+    """Drops the prepared calls that hold launch metadata the metadata cache dropped (and its device memory)."""
     gone = {id(metadata) for metadata in dropped}
     for key in [key for key, entry in _prepared_calls.items() if id(entry.metadata) in gone]:
         del _prepared_calls[key]
@@ -2878,8 +2656,7 @@ def _launch_nothing() -> None:
 
 def _prepare_call(data) -> _PreparedCall:
     """The full path: constraint check, device check, compile (cached per group count), launch metadata
-    (cached). Every group, empty ones included, reaches the tables; the kernels give an empty group no tile.
-    With every group empty nothing is checked on the device, compiled or launched."""
+    (cached). Every group reaches the tables, empty ones too; with every group empty nothing is launched."""
     reason, pointers = _check_input(data)
     if reason:
         raise ValueError(reason)
@@ -2910,10 +2687,8 @@ def custom_kernel(data: input_t) -> output_t:
     """GPU MODE entry point: writes every group's C = (A * SFA) @ (B * SFB)^T and returns the list of C.
 
     Raises ValueError(reason) when `can_implement` rejects the input, UnsupportedDeviceError on a GPU that is
-    neither a B200 (sm_100) nor a Hopper (sm_90), both before anything is compiled or launched. A repeated call
-    on the same input objects skips straight to the launch (`_prepared_call`). A group with M = 0 has no tile
-    and its C ([0, N, 1]) is returned as given; with every group empty nothing is launched. The kernels run on
-    the legacy default queue of the current device (module docstring: "Which GPU queue").
+    neither a B200 (sm_100) nor a Hopper (sm_90), before anything is compiled or launched. A repeated call on
+    the same input objects skips to the launch (`_prepared_call`). Queue: README.md, "Which GPU queue".
     """
     entry = _prepared_call(data)
     if entry is None:

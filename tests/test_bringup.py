@@ -971,7 +971,7 @@ def test_job_build_builds_each_problem_through_the_submission(monkeypatch):
             raise RuntimeError("ptxas said no\nmore")
         return [("key", len(sizes))]
 
-    monkeypatch.setitem(sys.modules, "submission", types.SimpleNamespace(build_kernels=build_kernels))
+    monkeypatch.setattr(bringup, "build_kernels", build_kernels)
     problems = [dict(m=[0, 64], n=[128, 256], k=[256, 512], g=2, seed=1), dict(m=[8], n=[128], k=[256], g=1, seed=2)]
     result = bringup.job_build(problems)
     assert result["status"] == "ok" and result["kernels"] == 2
@@ -993,12 +993,12 @@ def test_build_kernels_compiles_what_custom_kernel_launches(monkeypatch, arch, v
     monkeypatch.setattr(submission, "_device_sm_count", lambda index: 148 if arch == "sm_100a" else 132)
     sizes = [(0, 256, 256, 1), (200, 256, 1024, 1), (64, 4096, 7168, 1)]
     device = torch.device("cuda", 0)
-    keys = submission.build_kernels(sizes, device)
+    keys = bringup.build_kernels(sizes, device)
     config = submission.kernel_config((None, None, None, sizes), device)  # empty groups kept, as custom_kernel does
     expected = [submission.compile_key(3, arch, config, part) for part in submission.kernel_parts(config)]
     expected.append(submission.compile_key(3, arch, submission.TABLE_UPLOAD_CONFIG, "upload"))
     assert keys == expected and sorted(map(repr, compiled)) == sorted(map(repr, expected))
-    assert submission.build_kernels([(0, 256, 256, 1)], device) == []
+    assert bringup.build_kernels([(0, 256, 256, 1)], device) == []
 
 
 # ---------------------------------------------------------------------------------------------------------

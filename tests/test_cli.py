@@ -1051,7 +1051,7 @@ def test_compile_builds_nothing_where_no_case_fits_the_forced_tile(tmp_path, cap
                                           ("sm_90a", None), ("sm_90a", "sm90_a16_pairs")])
 def test_compile_shows_each_kernel_s_stage_counts(tmp_path, capsys, fake_builds, arch, variant):
     # Regression: the B200 stage counts (5 A/B and 5 C stages at 128x128) showed only through
-    # submission.kernel_resources(), which only docs/B200_DESIGN.md named.
+    # ev.kernel_resources(), which only docs/B200_DESIGN.md named.
     report = tmp_path / "report.json"
     argv = ["--arch", arch, "--groups", "2", str(ROOT / "task.yml"), "--json", str(report)]
     assert ev.compile_main(argv + (["--variant", variant] if variant else [])) == 0
@@ -1062,7 +1062,7 @@ def test_compile_shows_each_kernel_s_stage_counts(tmp_path, capsys, fake_builds,
     column = lines[head].split().index("stages") - len(lines[head].split())  # from the right: labels have spaces
     for entry in json.loads(report.read_text()):
         if arch == "sm_100a":
-            planned = submission.kernel_resources(entry["built_as"])
+            planned = ev.kernel_resources(entry["built_as"])
             expected = {"ab_stages": planned["ab_stages"], "c_stages": planned.get("c_stages")}
         else:
             config = submission_sm90.SM90_VARIANT_CONFIGS[entry["built_as"]]
@@ -1163,7 +1163,7 @@ def test_compile_builds_the_case_kernel_and_the_extra_group_count(tmp_path, monk
     rows = [line for line in proc.stdout.splitlines() if " OK " in line]
     assert len(rows) == 2 and rows[0].startswith(entries[0]["kernel"]) and rows[1].startswith(entries[1]["kernel"])
     for entry in entries:  # the kernel's SharedStorage as built is its own plan, beside the DSL's static part
-        planned = submission.kernel_resources(entry["built_as"])["smem_bytes"]
+        planned = ev.kernel_resources(entry["built_as"])["smem_bytes"]
         assert entry["info"]["shared_storage_bytes"] == planned, entry["info"]
         static = entry["resources"]["SHARED"]
         assert entry["smem"] == dict(static=str(static), dynamic=str(planned), total=str(static + planned))

@@ -28,6 +28,15 @@ def test_file_rule(rule):
     assert FILE_RULES[rule](SUBMISSION.read_text()) is None
 
 
+def test_the_design_notes_it_points_to_exist():
+    # The notes moved out of the file stay reachable: every docs/B200_DESIGN.md#anchor it names is a heading there
+    # (GitHub's anchors: lower case, punctuation dropped, spaces as hyphens).
+    headings = re.findall(r"^#+ (.+)$", (ROOT / "docs" / "B200_DESIGN.md").read_text(), re.M)
+    anchors = {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+    named = set(re.findall(r"docs/B200_DESIGN\.md#([\w-]+)", SUBMISSION.read_text()))
+    assert named and named <= anchors, sorted(named - anchors)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # can_implement: one statement of the constraints, evaluated before any compile or launch
 # ---------------------------------------------------------------------------------------------------------
