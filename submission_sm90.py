@@ -149,6 +149,10 @@ class Sm90GemmConfig:
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
+    late_stage_release: without the prepass only (`sm90_tile128`): the transform warpgroup releases its stage
+      after its conversion is committed instead of right after its loads. A lever no variant sets: a probe of
+      docs/HOPPER_NOTES.md r43 (an ordering hazard between the transform's shared-memory loads and the
+      producer's next TMA write into that stage would vanish with it).
     """
 
     num_stages: int = 0
@@ -161,6 +165,7 @@ class Sm90GemmConfig:
     split_k: bool = True
     consumer_pairs: int = 1
     a16_buffers: int = 0
+    late_stage_release: bool = False
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
@@ -173,6 +178,9 @@ class Sm90GemmConfig:
         if self.consumer_pairs not in (1, 2) or (self.consumer_pairs == 2 and not (self.m_exact and self.max_width <= 32)):
             raise ValueError(f"Sm90GemmConfig.consumer_pairs={self.consumer_pairs}: 1, or 2 with m_exact and "
                              "max_width <= 32")
+        if self.late_stage_release and self.a16_prepass:
+            raise ValueError("Sm90GemmConfig.late_stage_release: only without a16_prepass (the transform warpgroup's "
+                             "stage release)")
         if self.m_exact and not 0 < len(self.widths) <= SM90_MAX_BUILD_WIDTHS:
             raise ValueError(f"Sm90GemmConfig: widths {self.min_width}-{self.max_width} give {len(self.widths)} "
                              f"mainloops; a build takes 1 to {SM90_MAX_BUILD_WIDTHS}")
@@ -1727,7 +1735,8 @@ class Sm90BlockScaledGroupedGemmKernel:
                 words = [ld_shared_v4(stage_a + a_row_off + ((16 * qq) ^ a_swz16)) for qq in range(4)]
                 sf_a = smem.sf + state.index * self.sf_stage_bytes + self.sfa_in_stage + sfa_off
                 sf = [ld_shared_u32(sf_a + 512 * sub) for sub in range(2)]
-                release_read_stage(stage_pipe, state)
+                if cutlass.const_expr(not self.config.late_stage_release):
+                    release_read_stage(stage_pipe, state)
                 a16_pipe.producer_acquire(a16_state)
                 a16 = smem.a16 + a16_state.index * self.a16_bytes + a16_row
                 for t in cutlass.range_constexpr(4):
@@ -1741,6 +1750,8 @@ class Sm90BlockScaledGroupedGemmKernel:
                 # the stores are visible to the wgmma (async proxy) before this thread's arrival
                 fence_smem_for_async_proxy()
                 a16_pipe.producer_commit(a16_state)
+                if cutlass.const_expr(self.config.late_stage_release):
+                    release_read_stage(stage_pipe, state)
                 chunk = chunk + 1
 
     # -----------------------------------------------------------------------------------------------

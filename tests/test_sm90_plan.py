@@ -362,6 +362,15 @@ def test_config_refuses_widths_no_build_can_take(fields, message):
         submission_sm90.Sm90GemmConfig(min_width=16)
 
 
+def test_late_stage_release_is_a_lever_of_the_transform_warpgroup_only():
+    # r43's probe: only the build whose transform warpgroup reads the stage (no prepass) takes it, and no variant
+    # sets it
+    assert submission_sm90.Sm90GemmConfig(late_stage_release=True).late_stage_release
+    with pytest.raises(ValueError, match="late_stage_release: only without a16_prepass"):
+        submission_sm90.Sm90GemmConfig(a16_prepass=True, m_exact=True, late_stage_release=True)
+    assert not any(config.late_stage_release for config in submission_sm90.SM90_VARIANT_CONFIGS.values())
+
+
 @pytest.mark.parametrize("name", sorted(SM90_CHANGED_CONFIGS))
 def test_changed_configs_are_configs(name):
     # the GPU tests' and the sanitizer's "variant with one field changed" configs name a variant, a field and a
