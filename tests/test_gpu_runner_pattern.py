@@ -105,22 +105,26 @@ def _inputs(bench: int, seed: int) -> tuple:
 
 def run_runner_pattern(custom_kernel, datas: list, checks: list, batches: int = BATCHES):
     """The runner's leaderboard-mode pattern on one benchmark shape's input sets `datas` (their untouched copies
-    `checks`; see the module docstring); returns the first failure as one line, or None."""
+    `checks`; see the module docstring); returns the first failure as one line, or None. On CPU tensors (a test
+    of this function with a stand-in kernel, tests/test_runner_pattern.py) there is no flush and no sync."""
+    cuda = datas[0][0][0][0].is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     # the obligatory first check, on copies (the runner's order: every call, then every check)
     first = [custom_kernel(_clone(data)) for data in datas]
-    torch.cuda.synchronize()
+    sync()
     failure = _first_failure(checks, first, "first check")
     if failure:
         return failure
-    flush = torch.empty(FLUSH_BYTES // 4, device="cuda")
+    flush = torch.empty(FLUSH_BYTES // 4, device="cuda") if cuda else None
     for batch in range(batches):
         for data in datas:
             for _, _, c in data[0]:
                 c.fill_(float("nan"))
-        torch.cuda.synchronize()
-        flush.normal_()
+        sync()
+        if flush is not None:
+            flush.normal_()
         outputs = [custom_kernel(data) for data in datas]  # back to back, no sync between calls
-        torch.cuda.synchronize()
+        sync()
         failure = _first_failure(checks, outputs, f"batch {batch + 1} of {batches}")
         if failure:
             return failure
