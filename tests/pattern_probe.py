@@ -1,12 +1,12 @@
 """The runner's leaderboard pattern on one GPU, with the probes of docs/HOPPER_NOTES.md r43 (needs a GPU).
 
-    python tests/pattern_probe.py --variants sm90_tile128 [--benches 0,2] [--seeds 90211,4242]
-           [--override late_stage_release=1] [--upper zero|ff]
+    python tests/pattern_probe.py --setting variant=sm90_tile128 [--setting variant=sm90_tile128,sm90.late_stage_release=on]
+           [--benches 0,2] [--seeds 90211,4242] [--upper zero|ff]
 
-Per variant, benchmark and seed: tests/test_gpu_runner_pattern.py's pattern (15 inputs back to back, L2
-flushed, outputs poisoned, every result re-checked after every batch), one line each: PASS, or the first
-failure. `--override FIELD=VALUE`: an Sm90GemmConfig field over every Hopper build (submission_sm90
-.set_sm90_overrides; 0/1 for a bool). `--upper zero|ff`: after the descriptor preparation stages each 128-byte
+Per setting (bench.py --ab's forms: variant=NAME, sm90.FIELD=VALUE, pdl=on|off, default), benchmark and seed:
+tests/test_gpu_runner_pattern.py's pattern (15 inputs back to back, L2 flushed, outputs poisoned, every result
+re-checked after every batch), one line each: PASS, or the first failure. `--upper zero|ff`: after the
+descriptor preparation stages each 128-byte
 template in shared memory, bytes 64-127 are overwritten with zeros or 0xff before the patch and the release
 (does the TMA unit read them?). Both are probes, not settings anyone should ship.
 """
@@ -42,37 +42,36 @@ def overwrite_upper_halves(fill: int) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", required=True, help="comma-separated Hopper variants")
+    parser.add_argument("--setting", action="append", required=True, metavar="SETTING",
+                        help="a kernel setting in bench.py --ab's forms (repeatable)")
     parser.add_argument("--benches", default="0,1,2,3")
     parser.add_argument("--seeds", default="90211,4242,1111")
-    parser.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE")
     parser.add_argument("--upper", choices=("zero", "ff"))
     args = parser.parse_args(argv)
 
+    import bench
     import submission
     import submission_sm90
     from test_gpu_runner_pattern import _inputs, run_runner_pattern
 
+    variants = submission.KERNEL_VARIANTS + submission_sm90.SM90_VARIANTS
+    try:
+        settings = [bench.parse_setting(text, variants, submission_sm90.sm90_override_types())
+                    for text in args.setting]
+    except ValueError as err:
+        parser.error(str(err))
     if args.upper:
         overwrite_upper_halves(0 if args.upper == "zero" else -1)
-    types = submission_sm90.sm90_override_types()
-    fields = {}
-    for item in args.override:
-        name, _, value = item.partition("=")
-        kind = types.get(name)
-        if kind is None:
-            parser.error(f"--override {item}: not an Sm90GemmConfig field")
-        fields[name] = bool(int(value)) if kind is bool else kind(value)
+    default_pdl = submission.USE_PDL
     failed = 0
-    for bench in map(int, args.benches.split(",")):
+    for number in map(int, args.benches.split(",")):
         for seed in map(int, args.seeds.split(",")):
-            datas, checks = _inputs(bench, seed)
-            for variant in args.variants.split(","):
-                submission_sm90.set_sm90_variant(variant)
-                submission_sm90.set_sm90_overrides(**fields)
+            datas, checks = _inputs(number, seed)
+            for setting in settings:
+                bench.apply_setting(submission, submission_sm90, setting, default_pdl)
                 failure = run_runner_pattern(submission.custom_kernel, datas, checks)
                 failed += failure is not None
-                print(f"{variant} bench{bench} seed{seed} {fields or ''} upper={args.upper or 'as staged'}: "
+                print(f"{setting.text} bench{number} seed{seed} upper={args.upper or 'as staged'}: "
                       f"{failure or 'PASS'}", flush=True)
     return 1 if failed else 0
 

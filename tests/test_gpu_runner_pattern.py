@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import reference
+from harness import _clone_data
 from conftest import cuda_capability, load_task_yml
 
 CAPABILITY = cuda_capability()
@@ -57,30 +58,18 @@ def _benchmarks():
 
 @pytest.fixture
 def variant(request):
-    """Forces the variant for the test, and restores the default after."""
+    """Forces the variant for the test (bench.py --ab's setter), and the defaults back after."""
+    import bench
     import submission
+    import submission_sm90
 
     major, name = request.param
     if CAPABILITY is None or CAPABILITY[0] != major:
         pytest.skip(f"{name} runs on sm_{major}0 GPUs")
-    if major == 9:
-        import submission_sm90
-
-        previous = submission_sm90.SM90_VARIANT
-        submission_sm90.set_sm90_variant(name)
-        yield name
-        submission_sm90.set_sm90_variant(previous)
-    else:
-        previous = submission.KERNEL_VARIANT
-        submission.set_variant(name)
-        yield name
-        submission.set_variant(previous)
-
-
-def _clone(data):
-    abc, sfs, sfs_r, sizes = data
-    return ([tuple(t.clone() for t in x) for x in abc], [tuple(t.clone() for t in x) for x in sfs],
-            [tuple(t.clone() for t in x) for x in sfs_r], list(sizes))
+    default_pdl = submission.USE_PDL
+    bench.apply_setting(submission, submission_sm90, bench.KernelSetting(name, variant=name), default_pdl)
+    yield name
+    bench.apply_setting(submission, submission_sm90, bench.KernelSetting("default"), default_pdl)
 
 
 def _first_failure(checks: list, outputs: list, where: str):
@@ -100,7 +89,7 @@ def _inputs(bench: int, seed: int) -> tuple:
     every variant (the tests run variant-innermost, so one shape's inputs are held at a time)."""
     args = _benchmarks()[bench]
     datas = [reference.generate_input(**args, seed=seed + 42 * (i + 1)) for i in range(INPUTS_PER_BATCH)]
-    return datas, [_clone(data) for data in datas]
+    return datas, [_clone_data(data) for data in datas]
 
 
 def run_runner_pattern(custom_kernel, datas: list, checks: list, batches: int = BATCHES):
@@ -110,7 +99,7 @@ def run_runner_pattern(custom_kernel, datas: list, checks: list, batches: int = 
     cuda = datas[0][0][0][0].is_cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     # the obligatory first check, on copies (the runner's order: every call, then every check)
-    first = [custom_kernel(_clone(data)) for data in datas]
+    first = [custom_kernel(_clone_data(data)) for data in datas]
     sync()
     failure = _first_failure(checks, first, "first check")
     if failure:

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import reference
-from test_gpu_runner_pattern import INPUTS_PER_BATCH, _clone, run_runner_pattern
+from harness import _clone_data
+from test_gpu_runner_pattern import INPUTS_PER_BATCH, run_runner_pattern
 
 SHAPE = dict(m=[40, 72], n=[128, 256], k=[256, 256], g=2)
 
@@ -14,7 +15,7 @@ SHAPE = dict(m=[40, 72], n=[128, 256], k=[256, 256], g=2)
 def inputs():
     datas = [reference.generate_input(**SHAPE, seed=7 + 42 * i) for i in range(INPUTS_PER_BATCH)]
     assert not datas[0][0][0][0].is_cuda
-    return datas, [_clone(data) for data in datas]
+    return datas, [_clone_data(data) for data in datas]
 
 
 def right_kernel(data):
