@@ -45,6 +45,7 @@ from typing import Optional
 
 import torch
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -153,6 +154,12 @@ class Sm90GemmConfig:
       after its conversion is committed instead of right after its loads. A lever no variant sets: a probe of
       docs/HOPPER_NOTES.md r43 (an ordering hazard between the transform's shared-memory loads and the
       producer's next TMA write into that stage would vanish with it).
+    The MoE entry's switches (moe.py; the leaderboard's builds leave them off, their PTX unchanged):
+    sfa_row_major: the fused A conversion reads A's scales row-major, [rows, K / 16] as a quantization kernel
+      writes them (the pointer table's SFA column points at the group's first row), instead of blocked.
+    group_alpha: the epilogue multiplies each group's output by its fp32 scale (an NVFP4 checkpoint's global
+      scale), whose bits the size table's L column holds.
+    bf16_out: C is written as bf16 (round to nearest) instead of fp16.
     """
 
     num_stages: int = 0
@@ -166,6 +173,9 @@ class Sm90GemmConfig:
     consumer_pairs: int = 1
     a16_buffers: int = 0
     late_stage_release: bool = False
+    sfa_row_major: bool = False
+    group_alpha: bool = False
+    bf16_out: bool = False
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
@@ -181,6 +191,9 @@ class Sm90GemmConfig:
         if self.late_stage_release and self.a16_prepass:
             raise ValueError("Sm90GemmConfig.late_stage_release: only without a16_prepass (the transform warpgroup's "
                              "stage release)")
+        if self.sfa_row_major and not (self.a16_prepass and self.a16_fused):
+            raise ValueError("Sm90GemmConfig.sfa_row_major: only with a16_prepass and a16_fused (the GEMM's own A "
+                             "conversion reads the scales)")
         if self.m_exact and not 0 < len(self.widths) <= SM90_MAX_BUILD_WIDTHS:
             raise ValueError(f"Sm90GemmConfig: widths {self.min_width}-{self.max_width} give {len(self.widths)} "
                              f"mainloops; a build takes 1 to {SM90_MAX_BUILD_WIDTHS}")
@@ -830,21 +843,29 @@ def st_shared_v4(addr, v0, v1, v2, v3, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def stmatrix_f16_scaled(addr, values, exponent: int, *, loc=None, ip=None):
+def stmatrix_f16_scaled(addr, values, exponent: int, alpha_bits=None, bf16: bool = False, *, loc=None, ip=None):
     """`stmatrix .trans` of four 8 x 8 fp16 matrices: matrix i's fragment register is
     fp16x2(values[2 i] * 2^exponent, values[2 i + 1] * 2^exponent), the low half first (the power of two undoes
     the operand encodings', `Sm90BlockScaledGroupedGemmKernel.EPILOGUE_EXPONENT`; exact). Lanes 8 i to 8 i + 7
-    give the addresses of matrix i's 16-byte rows; a row holds one fragment column (.trans)."""
+    give the addresses of matrix i's 16-byte rows; a row holds one fragment column (.trans).
+    alpha_bits (the MoE entry's `group_alpha`): an fp32's bits, by which every value is multiplied too (after
+    the exact power of two, so one rounding); bf16: the halves are bf16 (round to nearest) instead of fp16."""
     assert len(values) == 8
     regs = "h0, h1, h2, h3"
     factor = f"0f{(127 + exponent) << 23:08X}"  # 2^exponent as an f32 immediate
     ptx = "{\n.reg .b32 " + regs + ";\n.reg .f32 lo, hi;\n"
+    operands = [_i32(addr, loc, ip)] + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values]
+    constraints = ["r"] + ["f"] * len(values)
+    if alpha_bits is not None:
+        ptx += f".reg .f32 alpha;\nmov.b32 alpha, ${1 + len(values)};\nmul.f32 alpha, alpha, {factor};\n"
+        factor = "alpha"
+        operands.append(_i32(alpha_bits, loc, ip))
+        constraints.append("r")
     for i in range(4):
         ptx += (f"mul.f32 lo, ${1 + 2 * i}, {factor};\nmul.f32 hi, ${2 + 2 * i}, {factor};\n"
-                f"cvt.rn.f16x2.f32 h{i}, hi, lo;\n")
+                f"cvt.rn.{'bf16x2' if bf16 else 'f16x2'}.f32 h{i}, hi, lo;\n")
     ptx += f"stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {{{regs}}};\n}}"
-    _asm(None, [_i32(addr, loc, ip)] + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values], ptx,
-         ",".join(["r"] + ["f"] * len(values)) + ",~{memory}", True, loc, ip)
+    _asm(None, operands, ptx, ",".join(constraints) + ",~{memory}", True, loc, ip)
 
 
 @dsl_user_op
@@ -1087,7 +1108,7 @@ class Sm90AConvertKernel:
 
 @cute.jit
 def sm90_convert_a_items(ptrs: cute.Tensor, sizes: cute.Tensor, a16_base, num_groups: cutlass.Constexpr[int],
-                         first, stride):
+                         first, stride, sfa_row_major: cutlass.Constexpr[bool] = False):
     """Items first, first + stride, ... of the items of all groups in a row (`Sm90AConvertKernel` says what an
     item is): the GEMM's fused conversion, each of its threads a strided share of the whole. Item p (counted
     across groups) lands at a16_base + 64 p: a group's fp16 A is its items in order, 64 bytes each, the groups
@@ -1127,14 +1148,15 @@ def sm90_convert_a_items(ptrs: cute.Tensor, sizes: cute.Tensor, a16_base, num_gr
                 group_first = done + cute.arch.shuffle_sync(incl - count, j)
                 if item < end:
                     sm90_convert_a_item(ptrs, g0 + j, k, item - group_first,
-                                        a16_base + cutlass.Int64(group_first) * 64)
+                                        a16_base + cutlass.Int64(group_first) * 64, sfa_row_major)
             pos = pos + stride * (cutlass.Int32(pos < end) + cutlass.Int32(pos + stride < end))
         done = end
 
 
 @cute.jit
-def sm90_convert_a_item(ptrs: cute.Tensor, g, k, item, group_base):
-    """One item of group g's A (K = k) to fp16 at `group_base` (the group's fp16 A in the workspace)."""
+def sm90_convert_a_item(ptrs: cute.Tensor, g, k, item, group_base, sfa_row_major: cutlass.Constexpr[bool] = False):
+    """One item of group g's A (K = k) to fp16 at `group_base` (the group's fp16 A in the workspace).
+    sfa_row_major: A's scales are [rows, K / 16] row-major (`Sm90GemmConfig.sfa_row_major`), else blocked."""
     chunks = k // 128
     t = item % 4
     chunk = (item // 4) % chunks
@@ -1144,9 +1166,14 @@ def sm90_convert_a_item(ptrs: cute.Tensor, g, k, item, group_base):
     words = [ld_global_u32(a_row + 16 * qq) for qq in range(4)]
     # Blocked scales: 512-byte (32 x 4 x 4) atoms, rest_k = K / 64 of them per 128 rows; a chunk is
     # two atoms (sub), byte (row % 32) * 16 + ((row // 32) % 4) * 4 + k-block % 4.
-    sf_row = (ptrs[g, int(PtrColumn.SFA)] + cutlass.Int64(row // 128) * (k // 64) * 512
-              + chunk * 1024 + (row % 32) * 16 + ((row // 32) % 4) * 4)
-    sf = [ld_global_u32(sf_row + 512 * sub) for sub in range(2)]
+    if cutlass.const_expr(sfa_row_major):
+        # row-major: the same four k-blocks per word, consecutive (sub: k-blocks 4 sub .. 4 sub + 3 of the chunk)
+        sf_row = ptrs[g, int(PtrColumn.SFA)] + cutlass.Int64(row) * (k // 16) + chunk * 8
+        sf = [ld_global_u32(sf_row + 4 * sub) for sub in range(2)]
+    else:
+        sf_row = (ptrs[g, int(PtrColumn.SFA)] + cutlass.Int64(row // 128) * (k // 64) * 512
+                  + chunk * 1024 + (row % 32) * 16 + ((row // 32) % 4) * 4)
+        sf = [ld_global_u32(sf_row + 512 * sub) for sub in range(2)]
     conv = [fp4x8_to_f16x2x4(words[qq], scale_to_f16x2(
         sf[qq // 2], cutlass.Uint32((2 * (qq % 2) + t // 2) * 0x11))) for qq in range(4)]
     out = group_base + cutlass.Int64(row) * k * 2 + chunk * 256 + 64 * t
@@ -1408,6 +1435,18 @@ class Sm90BlockScaledGroupedGemmKernel:
     @cute.jit
     def __call__(self, ptrs_ptr: cute.Pointer, sizes_ptr: cute.Pointer, workspace_ptr: cute.Pointer,
                  work_ptr: cute.Pointer, total_tiles: cutlass.Int32, grid_x: cutlass.Int32):
+        """custom_kernel's entry: launched on the device's legacy default queue."""
+        self.launch(ptrs_ptr, sizes_ptr, workspace_ptr, work_ptr, total_tiles, grid_x, None)
+
+    @cute.jit
+    def on_stream(self, ptrs_ptr: cute.Pointer, sizes_ptr: cute.Pointer, workspace_ptr: cute.Pointer,
+                  work_ptr: cute.Pointer, total_tiles: cutlass.Int32, grid_x: cutlass.Int32, stream: cuda.CUstream):
+        """The MoE entry's (moe.py): launched on `stream`, torch's current one (a CUDA graph captures it)."""
+        self.launch(ptrs_ptr, sizes_ptr, workspace_ptr, work_ptr, total_tiles, grid_x, stream)
+
+    @cute.jit
+    def launch(self, ptrs_ptr: cute.Pointer, sizes_ptr: cute.Pointer, workspace_ptr: cute.Pointer,
+               work_ptr: cute.Pointer, total_tiles: cutlass.Int32, grid_x: cutlass.Int32, stream):
         G = self.num_groups
         ptrs, sizes = group_tables(ptrs_ptr, sizes_ptr, G)
         tensormaps = descriptor_table(workspace_ptr, G, len(self.descriptor_slots))
@@ -1429,8 +1468,9 @@ class Sm90BlockScaledGroupedGemmKernel:
 
         self.shared_storage = SharedStorage
 
+        on = {} if cutlass.const_expr(stream is None) else {"stream": stream}
         self.kernel(ptrs, sizes, tensormaps, work, total_tiles, atoms, coords).launch(
-            grid=(grid_x, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, use_pdl=self.config.use_pdl)
+            grid=(grid_x, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, use_pdl=self.config.use_pdl, **on)
 
     @cute.kernel
     def kernel(self, ptrs: cute.Tensor, sizes: cute.Tensor, tensormaps: cute.Tensor, work: cute.Tensor,
@@ -1485,7 +1525,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             # producer waits for the whole grid's share (`producer`) before its first fp16 A load.
             workspace = tensormaps.iterator.toint()
             sm90_convert_a_items(ptrs, sizes, workspace + self.a16_offset(self.num_groups), self.num_groups,
-                                 bid * self.threads + tidx, grid * self.threads)
+                                 bid * self.threads + tidx, grid * self.threads, self.config.sfa_row_major)
             fence_global_for_async_proxy()
             cute.arch.barrier()  # the CTA's conversion is done before its arrival on the grid barrier
 
@@ -1817,7 +1857,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                 for wi in cutlass.range_constexpr(len(self.widths)):
                     if width_idx == wi:
                         self.consume_tile(self.widths[wi], tiled_mmas[wi], sA16[wi], frags, chunk, chunks, is_split, i,
-                                          grid, work, descriptors, descriptors.for_tma(g, (Sm90TensorMapSlot.C,))[0],
+                                          grid, work, sizes, descriptors, descriptors.for_tma(g, (Sm90TensorMapSlot.C,))[0],
                                           m0, n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
                                           (slab, epilogue_barrier), smem, b_off, sfb_off,
                                           (pair, cutlass.Int32(i > begin), cutlass.Int32(i + 1 < end)))
@@ -1826,7 +1866,8 @@ class Sm90BlockScaledGroupedGemmKernel:
             c_store.producer_tail()  # the stores have completed before the CTA retires
 
     @cute.jit
-    def consume_tile(self, width: int, tiled_mma, sA16, frags, chunk, num_chunks, is_split, i, grid, work, descriptors,
+    def consume_tile(self, width: int, tiled_mma, sA16, frags, chunk, num_chunks, is_split, i, grid, work, sizes,
+                     descriptors,
                      desc_c, m0, n_tile, wg, w, tid, stage_pipe, a16_pipe, tma_c, tCsC, tCgC, c_store,
                      epilogue, smem, b_off, sfb_off, team):
         """One part of a tile of `width` rows of A: its K loop into the accumulator (64 n x width m); a part of
@@ -1873,14 +1914,16 @@ class Sm90BlockScaledGroupedGemmKernel:
                 cute.arch.barrier_arrive(barrier_id=self.ORDER_BARRIER + pair, number_of_threads=512)
         warpgroup.wait_group(0)
         a16_pipe.consumer_release(ring_state(chunk + num_chunks - 1, self.num_a16))
-        self.finish_tile(width, acc, is_split, i, grid, work, descriptors, desc_c, m0, n_tile, wg, w, tid, tma_c, tCsC,
-                         tCgC, c_store, epilogue, smem)
+        self.finish_tile(width, acc, is_split, i, grid, work, sizes, descriptors, desc_c, m0, n_tile, wg, w, tid, tma_c,
+                         tCsC, tCgC, c_store, epilogue, smem)
 
     @cute.jit
-    def finish_tile(self, width: int, acc, is_split, i, grid, work, descriptors, desc_c, m0, n_tile, wg, w, tid,
-                    tma_c, tCsC, tCgC, c_store, epilogue, smem):
+    def finish_tile(self, width: int, acc, is_split, i, grid, work, sizes, descriptors, desc_c, m0, n_tile, wg, w,
+                    tid, tma_c, tCsC, tCgC, c_store, epilogue, smem):
         """A tile part's accumulator to C: split-K's meeting of the parts where it is one (`split_fixup`), then
-        the epilogue where the tile is complete. epilogue: (slab, named barrier) of this warpgroup."""
+        the epilogue where the tile is complete. epilogue: (slab, named barrier) of this warpgroup.
+        group_alpha: the group's scale bits (the size table's L column) read here, the group from the part's
+        entry, as the split words are (nothing more kept live across the mainloop)."""
         slab, epilogue_barrier = epilogue
         complete = cutlass.Int32(1)
         if cutlass.const_expr(self.m_exact):
@@ -1890,9 +1933,13 @@ class Sm90BlockScaledGroupedGemmKernel:
                 _, _, split, slot = [cutlass.Int32(x) for x in ld_global_v4(self.part_entry(work, i, grid) + 16, True)]
                 complete = self.split_fixup(width, acc, split, slot, work, descriptors.tensormaps, wg, tid,
                                             epilogue_barrier)
+        alpha_bits = None
+        if cutlass.const_expr(self.config.group_alpha):
+            g = cutlass.Int32(ld_global_u32(self.part_entry(work, i, grid), True))
+            alpha_bits = ld_global_u32(element_address(sizes, (g, int(SizeColumn.L))), True)
         if complete != 0:
             self.epilogue(width, acc, desc_c, m0, n_tile, wg, w, tid, tma_c, tCsC, tCgC, c_store, slab,
-                          epilogue_barrier, smem)
+                          epilogue_barrier, smem, alpha_bits)
 
     @cute.jit
     def split_fixup(self, width: int, acc, split, slot, work, tensormaps, wg, tid, epilogue_barrier):
@@ -1932,7 +1979,7 @@ class Sm90BlockScaledGroupedGemmKernel:
 
     @cute.jit
     def epilogue(self, width: int, acc, desc_c, m0, n_tile, wg, w, tid, tma_c, tCsC, tCgC, c_store, slab,
-                 epilogue_barrier, smem):
+                 epilogue_barrier, smem, alpha_bits=None):
         """Per pass of at most 128 rows of A: acc -> fp16 slab [m][n] in shared memory (128-byte rows of 64 n,
         128-byte swizzle) by stmatrix -> TMA stores of box_rows x 64 boxes of C^T.
 
@@ -1954,7 +2001,8 @@ class Sm90BlockScaledGroupedGemmKernel:
             # of 16 (SM90_WIDTHS)
             for j in cutlass.range_constexpr(rows // 16):
                 addr = c_slab + (16 * j + 8 * (lane // 16) + row) * 128 + ((2 * w + (lane // 8) % 2) ^ row) * 16
-                stmatrix_f16_scaled(addr, [acc[64 * p + 8 * j + e] for e in range(8)], self.EPILOGUE_EXPONENT)
+                stmatrix_f16_scaled(addr, [acc[64 * p + 8 * j + e] for e in range(8)], self.EPILOGUE_EXPONENT,
+                                    alpha_bits, self.config.bf16_out)
             fence_smem_for_async_proxy()
             cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
             if w == 0:
