@@ -1,0 +1,598 @@
+"""A MoE layer's routed-expert GEMM with the routing on the GPU: `nvfp4_moe_mm`, in torch._grouped_mm's convention.
+
+    out[offs[e-1]:offs[e]] = alpha[e] * (A[offs[e-1]:offs[e]] * SFA) @ (B[e] * SFB[e])^T    for every expert e
+
+- `a` [T, K/2] NVFP4 activations (e2m1 pairs, `torch.float4_e2m1fn_x2` or uint8), tokens sorted by expert;
+  `a_scale` [T, K/16] e4m3, row-major as a quantization kernel writes it;
+- `b`, `b_scale`: the weights made once per layer by `prepare_moe_weights(b [E, N, K/2], b_scale [E, N, K/16])`
+  (the scales re-laid out in the blocked order the kernels read, [E, N/128, K/64, 512]);
+- `offs` int32 [E] on the GPU: cumulative ends of the experts' rows; `alpha` fp32 [E] (optional): each expert's
+  global scale, applied in the epilogue; `out` [T, N] fp16 or bf16 (optional; else made, `out_dtype`).
+
+One call is two launches on torch's current CUDA queue and no host work that reads the routing or grows with E:
+- `MoePrepareKernel` (one CTA per expert) turns `offs` into the pointer and size tables, the M-exact kernel's work
+  list (each expert's tile width by the host planner's rule, `_sm90_bulk_plan`, its tiles dealt to a fixed grid of
+  SM-count CTAs as runs of equal predicted cost) and the experts' TMA descriptors;
+- the Hopper GEMM (`Sm90BlockScaledGroupedGemmKernel` with the MoE switches: the A scales read row-major, alpha,
+  bf16 out) converts A and runs the work list.
+So a layer step can be captured in a CUDA graph and replayed after new routing is written into the same tensors,
+and `torch.ops.nvfp4_moe.mm` (a torch.library op with a fake implementation) traces under
+`torch.compile(fullgraph=True)`. Compiles: one per (E, N, K, build, out dtype); buffers: one set per (device,
+CUDA queue, E, N, K, T rounded up to a power of two, build, out dtype), reused by every call on that queue (calls
+on one queue run in order; NOTES: two queues never share a set).
+
+Bad `offs` never read or write out of bounds: each end is clamped to [0, T] and to at least the previous end
+(a running maximum), so a decreasing entry makes its expert empty and rows past T belong to no expert. Rows of
+`out` that no expert covers (after the last end) are not written, as torch._grouped_mm leaves them.
+
+Hopper (sm_90a) only for now: on a B200 the call raises (docs/MOE_ENTRY.md says what the B200 path needs).
+"""
+import ctypes
+import dataclasses
+import functools
+from typing import Optional
+
+import torch
+
+import submission as host
+from submission import PtrColumn, SizeColumn, TENSORMAP_BYTES, ceil_div, descriptor_table, table_words
+
+try:
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.utils import SmemAllocator
+    HAVE_DSL = True
+except ImportError:  # pragma: no cover - the CPU tests of the planner's rule run without the DSL
+    HAVE_DSL = False
+
+# ---------------------------------------------------------------------------------------------------------
+# The schedule's rule (what MoePrepareKernel computes on the GPU; `plan_reference` is its torch mirror)
+# ---------------------------------------------------------------------------------------------------------
+MAX_EXPERTS = 1024  # one lane holds E / 32 experts' values through the scans
+ALPHA_ONE_BITS = 0x3F800000  # 1.0f: the size table's L column without alpha
+
+
+def moe_builds() -> dict:
+    """The Hopper builds the entry picks from, by the mean rows per expert T / E (a shape, never the routing):
+    the consumer-pairs build (widths 16-32) for a few tokens per expert, as custom_kernel's `sm90_auto` picks
+    it (`SM90_NARROW_MEAN_ROWS`); widths 16-128 up to 64 rows per expert; widths 64-128 above."""
+    import submission_sm90 as sm90
+
+    def moe(name: str):
+        return dataclasses.replace(sm90.SM90_VARIANT_CONFIGS[name], sfa_row_major=True, group_alpha=True,
+                                   split_k=False)
+    return {"pairs": moe("sm90_a16_pairs"), "narrow": moe("sm90_a16_narrow"), "wide": moe("sm90_a16_mexact128")}
+
+
+def choose_build(num_tokens: int, num_experts: int) -> str:
+    import submission_sm90 as sm90
+
+    mean = num_tokens / max(num_experts, 1)
+    if mean <= sm90.SM90_NARROW_MEAN_ROWS:
+        return "pairs"
+    return "narrow" if mean <= 64 else "wide"
+
+
+def tile_cost(width: int, k: int) -> int:
+    """`sm90_tile_cost` in integers (its constants are integers)."""
+    import submission_sm90 as sm90
+
+    return (k // 128) * max(width + sm90.SM90_CHUNK_OVERHEAD_ROWS, sm90.SM90_CHUNK_FLOOR) + sm90.SM90_TILE_OVERHEAD
+
+
+def max_parts(num_tokens: int, num_experts: int, n: int, widths: tuple) -> int:
+    """Parts the work list can hold for T tokens, whatever the routing: an expert of M rows takes at most
+    ceil(M / narrowest) splits, so sum_e ceil(M_e / w0) <= T / w0 + E, times the N tiles."""
+    return (num_tokens // widths[0] + num_experts) * (n // 128)
+
+
+def header_words(grid: int) -> int:
+    """The work list's header: the partials' offset and grid + 1 part offsets, in whole 8-word rows."""
+    import submission_sm90 as sm90
+
+    return sm90.SM90_PART_WORDS * ceil_div(grid + 2, sm90.SM90_PART_WORDS)
+
+
+def plan_reference(offs: torch.Tensor, num_tokens: int, n: int, k: int, widths: tuple, grid: int) -> dict:
+    """What MoePrepareKernel writes, computed by torch on the CPU (the tests' independent statement of the rule):
+    per expert its first row, rows, splits and width index; the parts (int32 [tiles, 8]) and the header
+    offsets (grid + 1 of them)."""
+    offs = offs.to("cpu", torch.int64)
+    ends = torch.cummax(offs.clamp(0, num_tokens), 0).values
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), ends[:-1]])
+    m = ends - starts
+    w = torch.tensor(widths, dtype=torch.int64)
+    # candidates, fewest tiles first (the widest cap first): count and the narrowest width covering M
+    count = ((m[:, None] + w - 1) // w).flip(1)
+    width_index = (w * count[:, :, None] >= m[:, None, None]).int().argmax(-1)
+    cost_of = torch.tensor([tile_cost(x, k) for x in widths], dtype=torch.int64)
+    cost = cost_of[width_index]
+    pick = (count * cost).argmin(1, keepdim=True)  # first of equal totals: fewest tiles
+    splits, width_index, cost = (t.gather(1, pick)[:, 0] for t in (count, width_index, cost))
+    n_tiles = n // 128
+    tiles = splits * n_tiles
+    parts = []
+    for e in range(offs.numel()):
+        width = widths[int(width_index[e])]
+        for j in range(int(tiles[e])):
+            parts.append((e, (j // n_tiles) * width, int(width_index[e]), j % n_tiles, 0, k // 128, -1, 0))
+    tile_costs = torch.repeat_interleave(cost, tiles)
+    prefix = torch.cumsum(tile_costs, 0) - tile_costs
+    total = int(tile_costs.sum())
+    offsets = []
+    for c in range(grid + 1):
+        threshold = -(-2 * c * total // grid) if total else 0
+        offsets.append(int(((2 * prefix + tile_costs) < threshold).sum()))
+    return {"starts": starts, "m": m, "splits": splits, "width_index": width_index,
+            "parts": torch.tensor(parts, dtype=torch.int32).reshape(-1, 8), "offsets": offsets}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The per-call preparation kernel
+# ---------------------------------------------------------------------------------------------------------
+if HAVE_DSL:
+    import submission_sm90 as sm90
+
+    @cute.jit
+    def _shuffle_i64(x, src):
+        lo = cute.arch.shuffle_sync(cutlass.Int32(x & 0xFFFFFFFF), src)
+        hi = cute.arch.shuffle_sync(cutlass.Int32(x >> 32), src)
+        return (cutlass.Int64(hi) << 32) | (cutlass.Int64(lo) & 0xFFFFFFFF)
+
+    class MoePrepareKernel:
+        """Per call, before the GEMM on the same queue, one warp per expert e (grid E):
+        1. every warp scans `offs` (clamped: `nvfp4_moe_mm`'s rule) and each expert's splits, width and tile
+           cost (`plan_reference`'s rule), lane l holding experts l * P .. l * P + P - 1 (P = ceil(E / 32)),
+           into shared arrays of tiles and cost before each expert;
+        2. warp e writes expert e's pointer row (A, SFA, C at its first row; B, SFB at its weight slice) and
+           size row (M, N, K, alpha's bits), and its tiles' parts in the work list at their global position
+           (split-major, then N tile: an expert's tiles stay together, so a CTA changes group rarely);
+        3. warp 0 writes the header: CTA c's first part is the first tile t whose midpoint key
+           2 prefix(t) + cost(t) reaches 2 c C / grid (C: the total cost), found by a binary search over the
+           experts: CTAs run contiguous, equal-cost stretches of the tile sequence (within a tile of the mean);
+        4. warp e writes expert e's TMA descriptors (the code of `GroupTensormapKernel`) and its share of the
+           GEMM's workspace reset (`prepare_workspace`).
+        Launched without programmatic dependent launch: it waits for the GEMM before it on the queue, which reads
+        the same tables, work list and descriptors."""
+
+        threads = 32
+
+        def __init__(self, gemm, num_experts: int, n: int, k: int, grid: int):
+            self.gemm = gemm
+            self.write_row = host.GroupTensormapKernel(gemm).write_row
+            self.num_experts = num_experts
+            self.n, self.k, self.grid = n, k, grid
+            self.widths = gemm.widths
+            self.per_lane = ceil_div(num_experts, 32)
+            self.ptr_words = table_words(num_experts)[0]
+            self.header_words = header_words(grid)
+            self.costs = tuple(tile_cost(w, k) for w in self.widths)
+
+        @cute.jit
+        def __call__(self, offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64,
+                     sfb: cutlass.Int64, c: cutlass.Int64, alpha: cutlass.Int64, tables: cutlass.Int64,
+                     workspace: cutlass.Int64, work: cutlass.Int64, num_tokens: cutlass.Int32, stream: cuda.CUstream):
+            E = self.num_experts
+            gmem = cute.AddressSpace.gmem
+            ptr_table = cute.make_tensor(cute.make_ptr(cutlass.Int64, tables, gmem, assumed_align=16),
+                                         cute.make_layout((E, len(PtrColumn)), stride=(len(PtrColumn), 1)))
+            size_table = cute.make_tensor(
+                cute.make_ptr(cutlass.Int32, tables + 8 * self.ptr_words, gmem, assumed_align=16),
+                cute.make_layout((E, len(SizeColumn)), stride=(len(SizeColumn), 1)))
+            tensormaps = descriptor_table(cute.make_ptr(cutlass.Int64, workspace, gmem, assumed_align=TENSORMAP_BYTES),
+                                          E, len(self.gemm.descriptor_slots))
+            self.kernel(self.gemm.descriptor_atoms(), ptr_table, size_table, tensormaps, offs, a, sfa, b, sfb, c,
+                        alpha, work, num_tokens).launch(grid=(E, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+        @cute.kernel
+        def kernel(self, atoms: tuple, ptr_table: cute.Tensor, size_table: cute.Tensor, tensormaps: cute.Tensor,
+                   offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64, sfb: cutlass.Int64,
+                   c: cutlass.Int64, alpha: cutlass.Int64, work: cutlass.Int64, num_tokens: cutlass.Int32):
+            E, P = self.num_experts, self.per_lane
+            n, k = self.n, self.k
+            e, _, _ = cute.arch.block_idx()
+            lane = cute.arch.lane_idx()
+            slots = self.gemm.descriptor_slots
+
+            @cute.struct
+            class SharedStorage:
+                tensormap_buffer: cute.struct.Align[
+                    cute.struct.MemRange[cutlass.Int64, len(slots) * TENSORMAP_BYTES // 8], TENSORMAP_BYTES]
+                cost_before: cute.struct.MemRange[cutlass.Int64, 32 * P]
+                tiles_before: cute.struct.MemRange[cutlass.Int32, 32 * P]
+                start: cute.struct.MemRange[cutlass.Int32, 32 * P]
+                rows: cute.struct.MemRange[cutlass.Int32, 32 * P]
+                choice: cute.struct.MemRange[cutlass.Int32, 32 * P]  # width index | splits << 8
+
+            storage = SmemAllocator().allocate(SharedStorage)
+            s_cost = storage.cost_before.get_tensor(cute.make_layout((32 * P,)))
+            s_tiles = storage.tiles_before.get_tensor(cute.make_layout((32 * P,)))
+            s_start = storage.start.get_tensor(cute.make_layout((32 * P,)))
+            s_rows = storage.rows.get_tensor(cute.make_layout((32 * P,)))
+            s_choice = storage.choice.get_tensor(cute.make_layout((32 * P,)))
+            offs_t = cute.make_tensor(cute.make_ptr(cutlass.Int32, offs, cute.AddressSpace.gmem, assumed_align=4),
+                                      cute.make_layout((E,)))
+
+            # ---- 1. ends: clamped to [0, T], a running maximum (lane-local, then across lanes)
+            ends = []
+            run = cutlass.Int32(0)
+            for j in cutlass.range_constexpr(P):
+                i = lane * P + j
+                v = cutlass.Int32(0)
+                if i < E:
+                    v = offs_t[i]
+                v = cutlass.min(cutlass.max(v, cutlass.Int32(0)), num_tokens)
+                run = cutlass.max(run, v)
+                ends.append(run)
+            incl = run
+            for d in cutlass.range_constexpr(5):
+                below = cute.arch.shuffle_sync(incl, (lane - (1 << d)) & 31)
+                incl = cutlass.max(incl, below * cutlass.Int32(lane >= (1 << d)))
+            prev = cute.arch.shuffle_sync(incl, (lane - 1) & 31) * cutlass.Int32(lane >= 1)
+            # ---- per expert: rows, the cheapest candidate (fewest tiles first), tiles and cost
+            tiles_run = cutlass.Int32(0)
+            cost_run = cutlass.Int64(0)
+            local = []
+            for j in cutlass.range_constexpr(P):
+                end = cutlass.max(ends[j], prev)
+                m = end - prev
+                best_count = cutlass.Int32(0)
+                best_width = cutlass.Int32(0)
+                best_cost = cutlass.Int32(0)
+                best_total = cutlass.Int64(0)
+                for ci in cutlass.range_constexpr(len(self.widths) - 1, -1, -1):
+                    cap = self.widths[ci]
+                    count = (m + (cap - 1)) // cap
+                    # the narrowest width whose `count` tiles cover m
+                    wi = cutlass.Int32(len(self.widths) - 1)
+                    cost = cutlass.Int32(self.costs[-1])
+                    for x in cutlass.range_constexpr(len(self.widths) - 1, -1, -1):
+                        if self.widths[x] * count >= m:
+                            wi = cutlass.Int32(x)
+                            cost = cutlass.Int32(self.costs[x])
+                    total = cutlass.Int64(count) * cost
+                    if cutlass.const_expr(ci == len(self.widths) - 1):  # the first candidate: the fewest tiles
+                        best_total, best_count, best_width, best_cost = total, count, wi, cost
+                    else:
+                        if total < best_total:  # strictly: the first of equal totals stays
+                            best_total = total
+                            best_count = count
+                            best_width = wi
+                            best_cost = cost
+                tiles = best_count * (n // 128)
+                local.append((prev, m, best_width, best_count, tiles_run, cost_run, best_cost))
+                tiles_run = tiles_run + tiles
+                cost_run = cost_run + cutlass.Int64(tiles) * best_cost
+                prev = end
+            # ---- exclusive scans of the lanes' tile and cost totals
+            t_incl = tiles_run
+            c_incl = cost_run
+            for d in cutlass.range_constexpr(5):
+                t_below = cute.arch.shuffle_sync(t_incl, (lane - (1 << d)) & 31)
+                c_below = _shuffle_i64(c_incl, (lane - (1 << d)) & 31)
+                on = cutlass.Int32(lane >= (1 << d))
+                t_incl = t_incl + t_below * on
+                c_incl = c_incl + c_below * cutlass.Int64(on)
+            t_base = t_incl - tiles_run
+            c_base = c_incl - cost_run
+            total_cost = _shuffle_i64(c_incl, 31)
+            for j in cutlass.range_constexpr(P):
+                start, m, wi, count, t_before, c_before, cost = local[j]
+                i = lane * P + j
+                s_start[i] = start
+                s_rows[i] = m
+                s_choice[i] = wi | (count << 8)
+                s_tiles[i] = t_base + t_before
+                s_cost[i] = c_base + c_before
+            cute.arch.barrier()
+
+            # ---- 2. expert e's table rows and parts
+            start = s_start[e]
+            m = s_rows[e]
+            choice = s_choice[e]
+            wi = choice & 0xFF
+            count = choice >> 8
+            first_tile = s_tiles[e]
+            if lane == 0:
+                ptr_table[e, int(PtrColumn.A)] = a + cutlass.Int64(start) * (k // 2)
+                ptr_table[e, int(PtrColumn.SFA)] = sfa + cutlass.Int64(start) * (k // 16)
+                ptr_table[e, int(PtrColumn.C)] = c + cutlass.Int64(start) * (n * 2)
+                ptr_table[e, int(PtrColumn.B)] = b + cutlass.Int64(e) * (n * k // 2)
+                ptr_table[e, int(PtrColumn.SFB)] = sfb + cutlass.Int64(e) * (n * k // 16)
+                alpha_bits = cutlass.Int32(ALPHA_ONE_BITS)
+                if alpha != 0:
+                    alpha_bits = cutlass.Int32(sm90.ld_global_u32(alpha + 4 * cutlass.Int64(e)))
+                size_table[e, int(SizeColumn.M)] = m
+                size_table[e, int(SizeColumn.N)] = cutlass.Int32(n)
+                size_table[e, int(SizeColumn.K)] = cutlass.Int32(k)
+                size_table[e, int(SizeColumn.L)] = alpha_bits
+            width = cutlass.Int32(self.widths[0])
+            for x in cutlass.range_constexpr(1, len(self.widths)):
+                if wi == x:
+                    width = cutlass.Int32(self.widths[x])
+            n_tiles = n // 128
+            parts = work + 4 * self.header_words
+            for j in cutlass.range(lane, count * n_tiles, 32, unroll=1):
+                entry = parts + 32 * cutlass.Int64(first_tile + j)
+                sm90.st_global_v4(entry, cutlass.Uint32(e), cutlass.Uint32((j // n_tiles) * width), cutlass.Uint32(wi),
+                                  cutlass.Uint32(j % n_tiles))
+                sm90.st_global_v4(entry + 16, cutlass.Uint32(0), cutlass.Uint32(k // 128), cutlass.Uint32(0xFFFFFFFF),
+                                  cutlass.Uint32(0))
+
+            # ---- 3. the header (warp 0): word 0 the partials' offset (none), then the CTAs' first parts
+            if e == 0:
+                if lane == 0:
+                    sm90.st_global_u32(work, cutlass.Uint32(0))
+                for cta in cutlass.range(lane, self.grid + 1, 32, unroll=1):
+                    threshold = (2 * cutlass.Int64(cta) * total_cost + (self.grid - 1)) // self.grid
+                    # the last expert g with 2 cost_before(g) < threshold (none: offset 0)
+                    lo = cutlass.Int32(0)
+                    hi = cutlass.Int32(E)  # search in [lo, hi): the answer is lo - 1 at the end
+                    for _ in cutlass.range_constexpr(max(1, (E - 1).bit_length() + 1)):
+                        if lo < hi:
+                            mid = (lo + hi) // 2
+                            if 2 * s_cost[mid] < threshold:
+                                lo = mid + 1
+                            else:
+                                hi = mid
+                    offset = cutlass.Int32(0)
+                    if lo > 0:
+                        g = lo - 1
+                        g_choice = s_choice[g]
+                        g_cost = cutlass.Int64(self.costs[0])
+                        for x in cutlass.range_constexpr(1, len(self.widths)):
+                            if (g_choice & 0xFF) == x:
+                                g_cost = cutlass.Int64(self.costs[x])
+                        g_tiles = (g_choice >> 8) * n_tiles
+                        # tiles j of g with 2 cost_before + (2 j + 1) cost < threshold
+                        room = threshold - 2 * s_cost[g] - g_cost
+                        inside = cutlass.Int32(0)
+                        if room > 0:
+                            inside = cutlass.Int32(cutlass.min((room + 2 * g_cost - 1) // (2 * g_cost),
+                                                               cutlass.Int64(g_tiles)))
+                        offset = s_tiles[g] + inside
+                    sm90.st_global_u32(work + 4 * (1 + cutlass.Int64(cta)), cutlass.Uint32(offset))
+
+            # ---- 4. expert e's descriptors (from the rows just written) and the workspace reset
+            cute.arch.barrier()
+            buffer = storage.tensormap_buffer.data_ptr()
+            if m > 0:
+                self.write_row(atoms, ptr_table, size_table, tensormaps, e, buffer)
+            self.gemm.prepare_workspace(tensormaps, e)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launching with arguments set in place
+# ---------------------------------------------------------------------------------------------------------
+class CellLauncher:
+    """A compiled kernel launched through the DSL's C entry with its argument array packed once, each argument
+    read from a ctypes cell of ours: a call sets the cells that change (pointers, the CUDA queue) and launches,
+    with no DSL argument conversion (about 1 µs of host time instead of tens)."""
+
+    def __init__(self, kernel, dsl_args: tuple, cell_types: tuple, device_index: int):
+        exe_args, _ = kernel.generate_execution_args(*dsl_args)
+        if len(exe_args) != len(dsl_args):
+            raise RuntimeError(f"moe: the DSL passes {len(exe_args)} C arguments for {len(dsl_args)} (one each "
+                               "expected); this DSL version's entry is not supported by CellLauncher")
+        executor = host._executor(kernel, device_index)
+        packed = executor._get_invoke_packed_args(list(exe_args))
+        self.packed = (ctypes.c_void_p * len(packed))(*packed)
+        self.cells = [cell_type() for cell_type in cell_types]
+        for i, cell in enumerate(self.cells):
+            self.packed[i] = ctypes.addressof(cell)
+        self.capi, self.result = executor.jit_module.capi_func, executor.cuda_result
+        self.keep_alive = (kernel, dsl_args, exe_args)
+
+    def __call__(self, values: tuple):
+        for cell, value in zip(self.cells, values):
+            cell.value = value
+        self.capi(self.packed)
+        if self.result is not None and self.result.value:
+            raise RuntimeError(f"moe: kernel launch failed with CUDA error {self.result.value}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Weights, checks, and the call
+# ---------------------------------------------------------------------------------------------------------
+def prepare_moe_weights(b: torch.Tensor, b_scale: torch.Tensor) -> tuple:
+    """Once per layer: (b as uint8 [E, N, K/2] contiguous, b_scale in the kernels' blocked order as
+    [E, N/128, K/64, 512] e4m3), from b [E, N, K/2] (fp4x2 or uint8) and b_scale [E, N, K/16] e4m3."""
+    if b.dim() != 3 or b_scale.dim() != 3:
+        raise ValueError(f"prepare_moe_weights: b [E, N, K/2] and b_scale [E, N, K/16]; got {tuple(b.shape)} and "
+                         f"{tuple(b_scale.shape)}")
+    num_experts, n, half_k = b.shape
+    k = 2 * half_k
+    if tuple(b_scale.shape) != (num_experts, n, k // 16) or n % 128 or k % 256:
+        raise ValueError(f"prepare_moe_weights: b [E, N, K/2] with N % 128 == 0 and K % 256 == 0, b_scale "
+                         f"[E, N, K/16]; got b {tuple(b.shape)}, b_scale {tuple(b_scale.shape)}")
+    if b_scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"prepare_moe_weights: b_scale must be torch.float8_e4m3fn, not {b_scale.dtype}")
+    codes = b.contiguous().view(torch.uint8)
+    scales = b_scale.contiguous().view(torch.uint8)
+    # [E, N/128, 4 (r // 32 % 4), 32 (r % 32), K/64, 4 (k-block % 4)] -> [E, N/128, K/64, 32, 4, 4]
+    blocked = scales.view(num_experts, n // 128, 4, 32, k // 64, 4).permute(0, 1, 4, 3, 2, 5).contiguous()
+    return codes, blocked.view(num_experts, n // 128, k // 64, 512).view(torch.float8_e4m3fn)
+
+
+_FP4_DTYPES = (torch.uint8,) + ((torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ())
+OUT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out_dtype, storage: bool = True) -> tuple:
+    """(T, E, N, K, out dtype) from the tensors' metadata alone (no value is read); ValueError naming the
+    first argument that does not fit. storage=False (the fake implementation, tracing): shapes, dtypes and
+    devices only (no addresses)."""
+    def need(ok: bool, message: str):
+        if not ok:
+            raise ValueError(f"nvfp4_moe_mm: {message}")
+
+    need(a.dim() == 2 and a.dtype in _FP4_DTYPES, f"a must be [T, K/2] float4_e2m1fn_x2 or uint8; got "
+                                                   f"{tuple(a.shape)} {a.dtype}")
+    num_tokens, half_k = a.shape
+    k = 2 * half_k
+    need(b.dim() == 3 and b.dtype == torch.uint8 and b.shape[2] == half_k,
+         f"b must be prepare_moe_weights' [E, N, K/2] uint8 with K/2 = {half_k}; got {tuple(b.shape)} {b.dtype}")
+    num_experts, n, _ = b.shape
+    need(k % 256 == 0 and k > 0, f"K = {k} must be a positive multiple of 256")
+    need(n % 128 == 0 and n > 0, f"N = {n} must be a positive multiple of 128")
+    need(0 < num_experts <= MAX_EXPERTS, f"E = {num_experts} experts: 1 to {MAX_EXPERTS}")
+    need(tuple(a_scale.shape) == (num_tokens, k // 16) and a_scale.dtype == torch.float8_e4m3fn,
+         f"a_scale must be [T, K/16] = [{num_tokens}, {k // 16}] float8_e4m3fn; got {tuple(a_scale.shape)} "
+         f"{a_scale.dtype}")
+    need(tuple(b_scale.shape) == (num_experts, n // 128, k // 64, 512) and b_scale.dtype == torch.float8_e4m3fn,
+         f"b_scale must be prepare_moe_weights' [E, N/128, K/64, 512] float8_e4m3fn "
+         f"({num_experts}, {n // 128}, {k // 64}, 512); got {tuple(b_scale.shape)} {b_scale.dtype} (raw [E, N, K/16] "
+         "scales go through prepare_moe_weights once per layer)")
+    need(tuple(offs.shape) == (num_experts,) and offs.dtype == torch.int32,
+         f"offs must be int32 [E] = [{num_experts}]; got {tuple(offs.shape)} {offs.dtype}")
+    if alpha is not None:
+        need(tuple(alpha.shape) == (num_experts,) and alpha.dtype == torch.float32,
+             f"alpha must be float32 [E] = [{num_experts}]; got {tuple(alpha.shape)} {alpha.dtype}")
+    if out is not None:
+        need(tuple(out.shape) == (num_tokens, n) and out.dtype in OUT_DTYPES,
+             f"out must be [T, N] = [{num_tokens}, {n}] float16 or bfloat16; got {tuple(out.shape)} {out.dtype}")
+        out_dtype = out.dtype
+    need(out_dtype in OUT_DTYPES, f"out_dtype must be torch.float16 or torch.bfloat16, not {out_dtype}")
+    tensors = [("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("offs", offs), ("alpha", alpha),
+               ("out", out)]
+    device = a.device
+    for name, t in tensors:
+        if t is None:
+            continue
+        need(t.device == device, f"{name} is on {t.device}, a on {device}: every tensor on one GPU")
+        need(t.is_contiguous(), f"{name} must be contiguous")
+        if storage:
+            need(t.data_ptr() % 16 == 0 or name in ("offs", "alpha"), f"{name} must be 16-byte aligned")
+    if storage:
+        need(device.type == "cuda", f"the tensors are on {device}: the entry runs on a CUDA GPU")
+    return num_tokens, num_experts, n, k, out_dtype
+
+
+@dataclasses.dataclass
+class _MoeLaunch:
+    """One (device, queue, E, N, K, T bucket, build, out dtype)'s buffers and launchers."""
+
+    tables: torch.Tensor
+    workspace: torch.Tensor
+    work: torch.Tensor
+    prepare: CellLauncher
+    gemm: CellLauncher
+    fixed: tuple  # the prepare kernel's buffer addresses (tables, workspace, work list)
+
+
+_compiled: dict = {}
+_launches: dict = {}
+
+
+def _compile(kind: str, num_experts: int, n: int, k: int, config, grid: int):
+    key = (kind, num_experts, n, k, config, grid)
+    fn = _compiled.get(key)
+    if fn is None:
+        gemm = sm90.Sm90BlockScaledGroupedGemmKernel(num_experts, config)
+        queue = cuda.CUstream(0)
+        if kind == "prepare":
+            ints = (cutlass.Int64(0),) * 10
+            fn = cute.compile(MoePrepareKernel(gemm, num_experts, n, k, grid), *ints, cutlass.Int32(1), queue)
+        else:
+            fn = cute.compile(gemm.on_stream, *sm90.sm90_gemm_args((0, 0, 0, 0, 0, 1)), queue)
+        _compiled[key] = fn
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _launch_for(device: torch.device, queue: int, num_tokens: int, num_experts: int, n: int, k: int,
+                out_dtype) -> _MoeLaunch:
+    bucket = 1 << max(num_tokens - 1, 0).bit_length()
+    build = choose_build(num_tokens, num_experts)
+    key = (device.index, queue, num_experts, n, k, bucket, build, out_dtype)
+    launch = _launches.get(key)
+    if launch is not None:
+        return launch
+    major, _ = host._device_capability(device.index)
+    if major != 9:
+        raise host.UnsupportedDeviceError(f"nvfp4_moe_mm runs on Hopper (sm_90) GPUs for now; this GPU is sm_{major}x "
+                                          "(docs/MOE_ENTRY.md: the B200 path is not built yet)")
+    config = dataclasses.replace(moe_builds()[build], bf16_out=out_dtype == torch.bfloat16)
+    grid = _sm_count(device.index)
+    kernel = sm90.Sm90BlockScaledGroupedGemmKernel
+    ptr_words, words = table_words(num_experts)
+    with torch.cuda.device(device):
+        tables = torch.empty(words, dtype=torch.int64, device=device)
+        workspace = host.aligned_device_buffer(ceil_div(kernel.a16_offset(num_experts) + bucket * k * 2, 1024) * 1024,
+                                               1024, device)
+        work = torch.empty(header_words(grid) + 8 * max_parts(bucket, num_experts, n, config.widths),
+                           dtype=torch.int32, device=device)
+        prepare = CellLauncher(_compile("prepare", num_experts, n, k, config, grid),
+                               (*(cutlass.Int64(0),) * 10, cutlass.Int32(1), cuda.CUstream(0)),
+                               (ctypes.c_int64,) * 10 + (ctypes.c_int32, ctypes.c_void_p), device.index)
+        gemm_args = sm90.sm90_gemm_args((tables.data_ptr(), tables.data_ptr() + 8 * ptr_words, workspace.data_ptr(),
+                                         work.data_ptr(), 0, grid))
+        gemm = CellLauncher(_compile("gemm", num_experts, n, k, config, grid), (*gemm_args, cuda.CUstream(0)),
+                            (ctypes.c_int64,) * 4 + (ctypes.c_int32,) * 2 + (ctypes.c_void_p,), device.index)
+    fixed = (tables.data_ptr(), workspace.data_ptr(), work.data_ptr())
+    launch = _launches[key] = _MoeLaunch(tables, workspace, work, prepare, gemm, fixed)
+    launch.gemm_values = (tables.data_ptr(), tables.data_ptr() + 8 * ptr_words, workspace.data_ptr(),
+                          work.data_ptr(), 0, grid)
+    return launch
+
+
+def _moe_mm_into(a, a_scale, b, b_scale, offs, alpha, out) -> None:
+    num_tokens, num_experts, n, k, out_dtype = check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out.dtype)
+    if num_tokens == 0:
+        return
+    queue = torch.cuda.current_stream(a.device).cuda_stream
+    launch = _launch_for(a.device, queue, num_tokens, num_experts, n, k, out_dtype)
+    tables, workspace, work = launch.fixed
+    launch.prepare((offs.data_ptr(), a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(),
+                    out.data_ptr(), 0 if alpha is None else alpha.data_ptr(), tables, workspace, work, num_tokens,
+                    queue))
+    launch.gemm(launch.gemm_values + (queue,))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The torch ops
+# ---------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("nvfp4_moe::mm", mutates_args=())
+def _mm_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, offs: torch.Tensor,
+           alpha: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    _moe_mm_into(a, a_scale, b, b_scale, offs, alpha, out)
+    return out
+
+
+@_mm_op.register_fake
+def _mm_fake(a, a_scale, b, b_scale, offs, alpha, out_dtype):
+    check_moe_args(a, a_scale, b, b_scale, offs, alpha, None, out_dtype, storage=False)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("nvfp4_moe::mm_out", mutates_args=("out",))
+def _mm_out_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, offs: torch.Tensor,
+               alpha: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    _moe_mm_into(a, a_scale, b, b_scale, offs, alpha, out)
+
+
+@_mm_out_op.register_fake
+def _mm_out_fake(a, a_scale, b, b_scale, offs, alpha, out):
+    check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out.dtype, storage=False)
+
+
+def nvfp4_moe_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, offs: torch.Tensor,
+                 alpha: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The MoE layer's expert GEMM (module docstring). Eagerly it calls the implementation directly (the torch
+    dispatcher's Python op costs host microseconds per call); under torch.compile, the registered op."""
+    if torch.compiler.is_compiling():
+        if out is None:
+            return torch.ops.nvfp4_moe.mm(a, a_scale, b, b_scale, offs, alpha, out_dtype)
+        torch.ops.nvfp4_moe.mm_out(a, a_scale, b, b_scale, offs, alpha, out)
+        return out
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    _moe_mm_into(a, a_scale, b, b_scale, offs, alpha, out)
+    return out
