@@ -1,0 +1,249 @@
+"""The MoE entry (moe.py) on a Hopper GPU: results against a float64 decode on full-range codes with `out`
+NaN-poisoned (rows no expert covers must stay unwritten), empty experts, all tokens on one expert, bad `offs`,
+widths next to every tile width, fp16 and bf16 out, with and without alpha; the preparation kernel's tables and
+work list against `plan_reference`; calls back to back on one queue with new routings and no sync between them
+(they share one set of buffers); a CUDA graph replayed after new routing is written into the captured tensors;
+and torch.compile(fullgraph=True) of a function that calls the entry.
+
+Skipped without an sm_90 GPU and nvidia-cutlass-dsl."""
+import pytest
+import torch
+
+from conftest import cuda_capability
+
+CAPABILITY = cuda_capability()
+try:
+    import cutlass  # noqa: F401
+    HAVE_DSL = True
+except ImportError:
+    HAVE_DSL = False
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (HAVE_DSL and CAPABILITY == (9, 0)), reason="needs an sm_90 GPU and the DSL")]
+
+# every e2m1 value and their negatives; e4m3 scale codes of both signs, subnormals included (exponent <= 8)
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                     dtype=torch.float64)
+
+
+def _scale_codes():
+    return torch.tensor([c for c in range(256) if ((c >> 3) & 0xF) <= 8], dtype=torch.uint8)
+
+
+def _decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[rows, K/2] uint8 and [rows, K/16] e4m3 -> [rows, K] float64, exactly."""
+    lut = _E2M1.to(codes.device)
+    values = torch.stack((lut[(codes & 0xF).long()], lut[(codes >> 4).long()]), -1).flatten(-2)
+    return values * scales.to(torch.float64).repeat_interleave(16, dim=-1)
+
+
+class Layer:
+    def __init__(self, e, n, k, seed):
+        import moe
+
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.e, self.n, self.k = e, n, k
+        self.codes = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+        picks = _scale_codes().cuda()
+        self.scales = picks[torch.randint(0, len(picks), (e, n, k // 16), device="cuda", generator=gen)].view(
+            torch.float8_e4m3fn)
+        self.b, self.b_scale = moe.prepare_moe_weights(self.codes, self.scales)
+        self.alpha = torch.rand(e, device="cuda", generator=gen, dtype=torch.float32) + 0.25
+        self.gen = gen
+
+    def tokens(self, t):
+        picks = _scale_codes().cuda()
+        a = torch.randint(0, 256, (t, self.k // 2), dtype=torch.uint8, device="cuda", generator=self.gen)
+        a_scale = picks[torch.randint(0, len(picks), (t, self.k // 16), device="cuda", generator=self.gen)].view(
+            torch.float8_e4m3fn)
+        return a, a_scale
+
+    def expected(self, a, a_scale, offs, alpha):
+        """float64 decode with moe's clamping of offs; rows no expert covers are NaN."""
+        t = a.shape[0]
+        out = torch.full((t, self.n), float("nan"), dtype=torch.float64, device="cuda")
+        bound = torch.zeros_like(out)
+        a64 = _decode(a, a_scale)
+        prev = 0
+        for e, end in enumerate(offs.tolist()):
+            end = min(max(end, prev, 0), t)
+            if end > prev:
+                w = _decode(self.codes[e], self.scales[e])
+                scale = 1.0 if alpha is None else float(alpha[e])
+                out[prev:end] = scale * (a64[prev:end] @ w.t())
+                # fp32 accumulation: at most K x 2^-24 of the sum of |products| (conftest's TOL)
+                bound[prev:end] = abs(scale) * (a64[prev:end].abs() @ w.abs().t()) * self.k * 2.0 ** -24
+            prev = end
+        return out, bound
+
+
+def _check(got, expected, bound, out_dtype):
+    """Within half an ulp of the output type (relative) plus `bound` (fp32 accumulation's), everywhere covered;
+    untouched (still NaN) where no expert covers."""
+    got = got.to(torch.float64)
+    covered = ~torch.isnan(expected)
+    assert torch.isnan(got[~covered]).all(), "a row no expert covers was written"
+    assert not torch.isnan(got[covered]).any(), "an element of a covered row was never written"
+    ulp = 2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -11
+    tol = ulp * expected.abs() + bound + 1e-6
+    err = (got - expected).abs()
+    bad = covered & (err > tol)
+    assert not bad.any(), (f"{int(bad.sum())} elements off, first at {bad.nonzero()[0].tolist()}: got "
+                           f"{got[bad][0].item()}, expected {expected[bad][0].item()}")
+
+
+def _counts(e, pattern, gen):
+    if pattern == "random":
+        choices = torch.tensor([0, 0, 1, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 192, 193])
+        return choices[torch.randint(0, len(choices), (e,), generator=gen)].tolist()
+    if pattern == "one_expert":
+        return [0] * (e - 1) + [300]
+    if pattern == "decode":
+        return torch.randint(0, 4, (e,), generator=gen).tolist()
+    raise ValueError(pattern)
+
+
+def _offs(counts):
+    return torch.cumsum(torch.tensor(counts), 0).to(torch.int32).cuda()
+
+
+CASES = [  # (E, N, K, pattern): the three builds (pairs: few rows per expert; narrow; wide)
+    (64, 256, 512, "decode"),
+    (16, 384, 1024, "random"),
+    (8, 256, 512, "one_expert"),
+]
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}-N{c[1]}-K{c[2]}-{c[3]}")
+def test_results_and_schedule(case, out_dtype):
+    import moe
+
+    e, n, k, pattern = case
+    layer = Layer(e, n, k, seed=e + n)
+    gen = torch.Generator().manual_seed(k)
+    for with_alpha in (True, False):
+        counts = _counts(e, pattern, gen)
+        t = sum(counts) + 5  # five rows after the last expert's end: no expert covers them
+        a, a_scale = layer.tokens(t)
+        offs = _offs(counts)
+        alpha = layer.alpha if with_alpha else None
+        out = torch.full((t, n), float("nan"), dtype=out_dtype, device="cuda")
+        moe.nvfp4_moe_mm(a, a_scale, layer.b, layer.b_scale, offs, alpha, out=out)
+        torch.cuda.synchronize()
+        expected, bound = layer.expected(a, a_scale, offs, alpha)
+        _check(out, expected, bound, out_dtype)
+        _check_schedule(moe, layer, offs, t, out_dtype)
+
+
+def _check_schedule(moe, layer, offs, t, out_dtype):
+    """The preparation kernel's size rows and work list are `plan_reference`'s."""
+    build = moe.choose_build(t, layer.e)
+    launch = [v for key, v in moe._launches.items() if key[2:5] == (layer.e, layer.n, layer.k)
+              and key[6] == build and key[7] == out_dtype][-1]
+    widths = moe.moe_builds()[build].widths
+    grid = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = moe.plan_reference(offs, t, layer.n, layer.k, widths, grid)
+    ptr_words, words = moe.table_words(layer.e)
+    sizes = launch.tables[ptr_words:words].view(torch.int32).view(layer.e, 4).cpu()
+    assert sizes[:, 0].tolist() == plan["m"].tolist()
+    work = launch.work.cpu()
+    header = moe.header_words(grid)
+    assert work[0].item() == 0 and work[1:grid + 2].tolist() == plan["offsets"]
+    parts = plan["parts"]
+    assert torch.equal(work[header:header + 8 * len(parts)].view(-1, 8), parts)
+
+
+def test_bad_offsets_stay_in_bounds():
+    import moe
+
+    layer = Layer(8, 256, 512, seed=7)
+    t = 100
+    a, a_scale = layer.tokens(t)
+    for values in ([10, 5, 30, -3, 200, 40, 60, 90], [-5, -1, 0, 0, 0, 0, 0, 0], [300] * 8, [50, 0, 0, 0, 0, 0, 0, 99]):
+        offs = torch.tensor(values, dtype=torch.int32, device="cuda")
+        out = torch.full((t, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+        moe.nvfp4_moe_mm(a, a_scale, layer.b, layer.b_scale, offs, None, out=out)
+        torch.cuda.synchronize()
+        expected, bound = layer.expected(a, a_scale, offs, None)
+        _check(out, expected, bound, torch.bfloat16)
+
+
+def test_back_to_back_routings_share_buffers():
+    """15 calls queued with no sync, each a new routing and new tokens (the runner's pattern, for the entry)."""
+    import moe
+
+    layer = Layer(32, 256, 1024, seed=11)
+    gen = torch.Generator().manual_seed(5)
+    calls = []
+    for _ in range(15):
+        counts = _counts(32, "random", gen)
+        t = sum(counts)
+        a, a_scale = layer.tokens(t)
+        offs = _offs(counts)
+        out = torch.full((t, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+        calls.append((a, a_scale, offs, out))
+    torch.cuda.synchronize()
+    for a, a_scale, offs, out in calls:
+        moe.nvfp4_moe_mm(a, a_scale, layer.b, layer.b_scale, offs, layer.alpha, out=out)
+    torch.cuda.synchronize()
+    for a, a_scale, offs, out in calls:
+        expected, bound = layer.expected(a, a_scale, offs, layer.alpha)
+        _check(out, expected, bound, torch.bfloat16)
+
+
+def test_cuda_graph_replays_new_routing():
+    import moe
+
+    layer = Layer(64, 512, 1024, seed=13)
+    gen = torch.Generator().manual_seed(9)
+    t = 256
+    a, a_scale = layer.tokens(t)
+    offs = _offs(_counts_to(64, t, gen))
+    out = torch.empty((t, 512), dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe.nvfp4_moe_mm(a, a_scale, layer.b, layer.b_scale, offs, layer.alpha, out=out)  # warm-up: compiles, loads
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe.nvfp4_moe_mm(a, a_scale, layer.b, layer.b_scale, offs, layer.alpha, out=out)
+    for _ in range(3):
+        new_a, new_scale = layer.tokens(t)
+        a.copy_(new_a)
+        a_scale.copy_(new_scale)
+        offs.copy_(_offs(_counts_to(64, t, gen)))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected, bound = layer.expected(a, a_scale, offs, layer.alpha)
+        _check(out, expected, bound, torch.bfloat16)
+
+
+def _counts_to(e, t, gen):
+    """A routing of exactly t rows over e experts, some empty."""
+    weights = torch.rand(e, generator=gen) ** 4
+    counts = torch.floor(weights / weights.sum() * t).long()
+    counts[int(torch.argmax(weights))] += t - int(counts.sum())
+    return counts.tolist()
+
+
+def test_torch_compile_fullgraph():
+    import moe
+
+    layer = Layer(16, 256, 512, seed=17)
+    gen = torch.Generator().manual_seed(3)
+    t = 96
+    a, a_scale = layer.tokens(t)
+    offs = _offs(_counts_to(16, t, gen))
+
+    def moe_layer(a, a_scale, offs):
+        y = moe.nvfp4_moe_mm(a, a_scale, layer.b, layer.b_scale, offs, layer.alpha, out_dtype=torch.bfloat16)
+        return y.float().relu()
+
+    compiled = torch.compile(moe_layer, fullgraph=True)
+    got = compiled(a, a_scale, offs)
+    torch.cuda.synchronize()
+    expected, bound = layer.expected(a, a_scale, offs, layer.alpha)
+    _check(got.to(torch.bfloat16), expected.relu(), bound, torch.bfloat16)

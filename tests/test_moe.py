@@ -1,0 +1,145 @@
+"""The MoE entry (moe.py) on the CPU: the schedule's rule (`plan_reference`, what the preparation kernel computes
+on the GPU) against the host planner's and against what a work list must be (every output tile exactly once,
+contiguous CTA runs balanced within a tile), the weights' blocked scales against reference.to_blocked, the
+metadata checks, and the torch ops' fake implementations (what torch.compile traces). The GPU half is
+tests/test_gpu_moe.py."""
+import random
+
+import pytest
+import torch
+
+import reference
+
+moe = pytest.importorskip("moe")
+submission_sm90 = pytest.importorskip("submission_sm90")
+
+WIDTH_SETS = [config.widths for config in moe.moe_builds().values()]
+
+
+def _offs(counts) -> torch.Tensor:
+    return torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0).to(torch.int32)
+
+
+def _routings(seed: int):
+    rng = random.Random(seed)
+    cases = []
+    for e, n, k in ((256, 4096, 7168), (128, 1536, 2048), (8, 256, 512), (33, 384, 1024)):
+        counts = [rng.choice([0, 0, 1, 3, 8, 15, 16, 17, 31, 32, 33, 64, 65, 127, 128, 129]) for _ in range(e)]
+        counts[rng.randrange(e)] = rng.randint(150, 700)
+        cases.append((counts, n, k))
+    cases.append(([0] * 7 + [300], 256, 512))  # all tokens on the last expert
+    cases.append(([0] * 16, 256, 512))  # no token at all
+    return cases
+
+
+@pytest.mark.parametrize("widths", WIDTH_SETS, ids=lambda w: f"w{w[0]}-{w[-1]}")
+@pytest.mark.parametrize("seed", [1, 2])
+def test_plan_covers_every_tile_once(widths, seed):
+    grid = 132
+    for counts, n, k in _routings(seed):
+        t = sum(counts)
+        plan = moe.plan_reference(_offs(counts), t, n, k, widths, grid)
+        assert plan["m"].tolist() == counts
+        covered = {}
+        for e, m0, wi, nt, k0, chunks, split, info in plan["parts"].tolist():
+            width = widths[wi]
+            assert (k0, chunks, split, info) == (0, k // 128, -1, 0)
+            assert 0 <= m0 < counts[e] and nt < n // 128
+            for row in range(m0, min(m0 + width, counts[e])):
+                key = (e, row, nt)
+                assert key not in covered, f"row {row} of expert {e}, N tile {nt}, twice"
+                covered[key] = True
+        assert len(covered) == t * (n // 128)
+        assert len(plan["parts"]) <= moe.max_parts(t, len(counts), n, widths)
+        offsets = plan["offsets"]
+        assert offsets[0] == 0 and offsets[-1] == len(plan["parts"])
+        assert all(a <= b for a, b in zip(offsets, offsets[1:]))
+        # balance: every CTA's cost within one tile of the mean
+        if len(plan["parts"]):
+            cost = [moe.tile_cost(widths[wi], k) for _, _, wi, *_ in plan["parts"].tolist()]
+            total = sum(cost)
+            loads = [sum(cost[a:b]) for a, b in zip(offsets, offsets[1:])]
+            assert max(loads) <= total / grid + max(cost)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_plan_widths_are_the_host_planners(seed):
+    """Where the host planner plans in bulk (many tiles per CTA), it picks the same splits and widths per expert."""
+    widths = moe.moe_builds()["narrow"].widths
+    for counts, n, k in _routings(seed)[:2]:
+        sizes = tuple((m, n, k, 1) for m in counts)
+        bulk = submission_sm90._sm90_bulk_plan(sizes, 132, widths)
+        assert bulk is not None
+        plan = moe.plan_reference(_offs(counts), sum(counts), n, k, widths, 132)
+        ours = [(int(s), widths[int(w)]) for s, w in zip(plan["splits"], plan["width_index"])]
+        assert [(s, w) for s, w in ours if s] == [(s, w) for s, w in bulk.splits if s]
+
+
+def test_plan_clamps_bad_offsets():
+    """Decreasing entries make their expert empty, ends past T are cut at T, negative ones count as 0."""
+    offs = torch.tensor([5, 3, 9, -4, 40, 12, 60], dtype=torch.int32)
+    plan = moe.plan_reference(offs, 50, 256, 512, WIDTH_SETS[0], 132)
+    assert plan["starts"].tolist() == [0, 5, 5, 9, 9, 40, 40]
+    assert plan["m"].tolist() == [5, 0, 4, 0, 31, 0, 10]
+
+
+def test_weight_scales_are_blocked_as_the_kernels_read_them():
+    e, n, k = 3, 256, 512
+    b = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8)
+    scales = torch.randint(0, 127, (e, n, k // 16), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    codes, blocked = moe.prepare_moe_weights(b, scales)
+    assert torch.equal(codes, b) and blocked.shape == (e, n // 128, k // 64, 512)
+    for i in range(e):
+        expected = reference.to_blocked(scales[i].view(torch.uint8))
+        assert torch.equal(blocked[i].reshape(-1).view(torch.uint8), expected)
+
+
+def _meta_args(t=64, e=8, n=256, k=512, device="meta"):
+    return dict(a=torch.empty(t, k // 2, dtype=torch.uint8, device=device),
+                a_scale=torch.empty(t, k // 16, dtype=torch.float8_e4m3fn, device=device),
+                b=torch.empty(e, n, k // 2, dtype=torch.uint8, device=device),
+                b_scale=torch.empty(e, n // 128, k // 64, 512, dtype=torch.float8_e4m3fn, device=device),
+                offs=torch.empty(e, dtype=torch.int32, device=device),
+                alpha=torch.empty(e, dtype=torch.float32, device=device))
+
+
+def test_fake_implementations_give_the_output_shape():
+    args = _meta_args()
+    out = torch.ops.nvfp4_moe.mm(*args.values(), torch.bfloat16)
+    assert out.shape == (64, 256) and out.dtype == torch.bfloat16 and out.device.type == "meta"
+    target = torch.empty(64, 256, dtype=torch.float16, device="meta")
+    torch.ops.nvfp4_moe.mm_out(*args.values(), target)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(a_scale=torch.empty(64, 16, dtype=torch.uint8)), "a_scale must be"),
+    (dict(b_scale=torch.empty(8, 256, 32, dtype=torch.float8_e4m3fn)), "prepare_moe_weights"),
+    (dict(offs=torch.empty(8, dtype=torch.int64)), "offs must be int32"),
+    (dict(offs=torch.empty(7, dtype=torch.int32)), "offs must be int32 \\[E\\] = \\[8\\]"),
+    (dict(alpha=torch.empty(8, dtype=torch.float16)), "alpha must be float32"),
+    (dict(a=torch.empty(64, 200, dtype=torch.uint8)), "b must be"),
+    (dict(b=torch.empty(8, 200, 256, dtype=torch.uint8)), "N = 200"),
+])
+def test_checks_name_the_argument(change, message):
+    args = {name: t.to("cpu") for name, t in _meta_args(device="cpu").items()}
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        moe.check_moe_args(*args.values(), None, torch.bfloat16)
+
+
+def test_checks_refuse_cpu_tensors_and_bad_out():
+    args = _meta_args(device="cpu")
+    with pytest.raises(ValueError, match="CUDA GPU"):
+        moe.check_moe_args(*args.values(), None, torch.bfloat16)
+    with pytest.raises(ValueError, match="out must be"):
+        moe.check_moe_args(*args.values(), torch.empty(64, 256, dtype=torch.float32), None)
+    with pytest.raises(ValueError, match="out_dtype"):
+        moe.check_moe_args(*args.values(), None, torch.float32)
+
+
+def test_builds_follow_rows_per_expert():
+    assert moe.choose_build(64 * 8, 256) == "pairs"
+    assert moe.choose_build(512 * 8, 128) == "narrow"
+    assert moe.choose_build(4096 * 8, 128) == "wide"
+    for config in moe.moe_builds().values():
+        assert config.sfa_row_major and config.group_alpha and not config.split_k
