@@ -1,7 +1,7 @@
 """The workload of tests/test_gpu_sanitizer.py, run under compute-sanitizer in its own process.
 
-`python tests/sanitize_case.py VARIANT [VARIANT ...]`: for each Hopper variant (or a variant with one config
-field changed, `SM90_CHANGED_CONFIGS` of tests/conftest.py: "two_launch"), three multi-group inputs
+`python tests/sanitize_case.py VARIANT [VARIANT ...]`: "moe": the MoE entry's builds (`moe_entry`); for each
+Hopper variant (or a variant with one config field changed, `SM90_CHANGED_CONFIGS` of tests/conftest.py: "two_launch"), three multi-group inputs
 (the case that first showed a racecheck hazard, one whose rings wrap many times with group changes in every
 CTA, and a MoE-like one of 256 groups, most of them empty), and for the consumer-pairs builds a fourth (several
 parts per CTA, each more chunks than the rings have stages: the pairs' turns); outputs poisoned with NaN,
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import reference  # noqa: E402
 import submission  # noqa: E402
 import submission_sm90  # noqa: E402
@@ -34,9 +34,39 @@ CASES = (
 PAIRS_CASE = dict(m=(8, 16, 24, 3, 30), n=(4096,) * 5, k=(1536,) * 5, g=5, seed=24)
 
 
+def moe_entry() -> int:
+    """The MoE entry (moe.py): its three builds, each a preparation launch and a GEMM, on routings with empty
+    experts and rows no expert covers; checked as tests/test_gpu_moe.py checks them."""
+    import moe
+    from test_gpu_moe import Layer, _check, _counts, _offs
+
+    bad = 0
+    gen = torch.Generator().manual_seed(2)
+    for e, n, k, pattern in ((64, 256, 512, "decode"), (16, 384, 1024, "random"), (8, 256, 512, "one_expert")):
+        layer = Layer(e, n, k, seed=e)
+        counts = _counts(e, pattern, gen)
+        t = sum(counts) + 3
+        a, a_scale = layer.tokens(t)
+        offs = _offs(counts)
+        out = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        moe.nvfp4_moe_mm(a, a_scale, layer.b, layer.b_scale, offs, layer.alpha, out=out)
+        torch.cuda.synchronize()
+        expected, bound = layer.expected(a, a_scale, offs, layer.alpha)
+        try:
+            _check(out, expected, bound, torch.bfloat16)
+            print(f"moe E={e} N={n} K={k} {pattern}: ok", flush=True)
+        except AssertionError as error:
+            print(f"moe E={e} N={n} K={k} {pattern}: WRONG {error}", flush=True)
+            bad += 1
+    return bad
+
+
 def main(variants) -> int:
     bad = 0
     for variant in variants:
+        if variant == "moe":
+            bad += moe_entry()
+            continue
         if variant in SM90_CHANGED_CONFIGS:  # a variant with one config field changed
             submission_sm90.SM90_VARIANT_CONFIGS[variant] = sm90_changed_config(variant)
             submission_sm90.SM90_VARIANTS = (*submission_sm90.SM90_VARIANTS, variant)

@@ -1,5 +1,5 @@
 """compute-sanitizer's racecheck, synccheck and memcheck on the Hopper kernel, multi-group inputs, every kept
-Hopper variant and the two-launch form (tests/sanitize_case.py is the workload; each tool runs it on
+Hopper variant, the two-launch form and the MoE entry's builds and preparation kernel (tests/sanitize_case.py is the workload; each tool runs it on
 each variant in a process of its own).
 
 Fails on any reported hazard or error, or on a wrong result. Skipped without an sm_90 GPU, the DSL, or
@@ -43,7 +43,7 @@ def _variants():
     import submission_sm90
 
     # with the configs that change one field of a variant, but not "whole_tiles" (the kernel is sm90_a16_mexact's)
-    return [*submission_sm90.SM90_VARIANT_CONFIGS, "two_launch"]
+    return [*submission_sm90.SM90_VARIANT_CONFIGS, "two_launch", "moe"]  # moe: the MoE entry (moe.py)
 
 
 # One tool on one variant per test, so that a run can spread them over processes (`pytest -n`, or shards).
