@@ -5,6 +5,7 @@
     python bench.py [FILE] --ab A B [C ...] [--ab-rounds N] [--repeats N]
     python bench.py --moe [--moe-cases A,B] [--moe-calls N] [--moe-patterns N] [--moe-profile] [--moe-shared-weights]
     python bench.py --moe --ab A B [C ...] [--ab-rounds N] [--moe-cases A,B] [--moe-calls N] [--moe-shared-weights]
+    python bench.py --moe --serving [--serving-cases A,B] [--serving-steps N] [--serving-check-steps N] [--no-humming]
 
 For every benchmark case of FILE (default task.yml) it times, each on the same 15 input sets:
   kernel         submission.custom_kernel(data)
@@ -38,6 +39,8 @@ stderr, a profile of one more re-routed call per case: where a new routing's hos
 rows each, K 256 to 2048: a part's fixed cost against its chunks'), which only run when named, and
 --moe-shared-weights points every expert at one expert's weights (then read from L2): the kernel without the
 weights' DRAM traffic.
+With --moe --serving it runs bench_serving.py instead: moe.nvfp4_moe_mm in a decode loop with a new routing drawn
+on the GPU every step, eager and in CUDA graphs, beside torch._grouped_mm and humming (bench_serving.py says how).
 Notes under the table say whether humming passed the check (and its worst |err|/tol), or why its column is
 absent (humming-kernels not importable, or --no-humming).
 """
@@ -62,6 +65,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_moe  # noqa: E402
+import bench_serving  # noqa: E402
 import harness  # noqa: E402  (cases, work counts)
 import reference  # noqa: E402
 from utils import clear_l2_cache_large, verbose_allclose  # noqa: E402
@@ -636,9 +640,18 @@ def main(argv=None) -> int:
     moe.add_argument("--moe-shared-weights", action="store_true",
                      help="every expert's weights are one expert's (read from L2 after the first touch): the "
                           "kernel's time without the weights' DRAM traffic, a diagnostic")
+    moe.add_argument("--serving", action="store_true",
+                     help="with --moe: the serving loop (bench_serving.py), a new GPU routing per step, eager and "
+                          "in CUDA graphs")
+    moe.add_argument("--serving-cases", metavar="A,B", help="only these serving cases, comma-separated: "
+                     + ", ".join(case.name for case in bench_serving.SERVING_CASES))
+    moe.add_argument("--serving-steps", type=_positive_int, metavar="N", help="steps per timed loop (20)")
+    moe.add_argument("--serving-check-steps", type=_non_negative_int, metavar="N",
+                     help="steps checked against a float64 decode (3)")
     args = parser.parse_args(argv)
-    problem = ab_options_problem(args, {dest: parser.get_default(dest) for dest in vars(args)})
-    problem = problem or bench_moe.options_problem(args, {dest: parser.get_default(dest) for dest in vars(args)})
+    defaults = {dest: parser.get_default(dest) for dest in vars(args)}
+    problem = ab_options_problem(args, defaults) or bench_serving.options_problem(args, defaults)
+    problem = problem or (None if args.serving else bench_moe.options_problem(args, defaults))
     if problem:
         return harness.usage_error("bench.py", problem)
     # Every mistake is reported before the GPU check and before any timing.
@@ -681,6 +694,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         return harness.usage_error("bench.py", f"no usable CUDA GPU (torch {torch.__version__}, "
                                           "torch.cuda.is_available() is False)")
+    if args.serving:
+        return bench_serving.main(args, sys.modules[__name__])
     if args.moe and settings:
         return ab_moe(submission, args.moe_cases, settings, args.ab_rounds, args.moe_calls,
                       args.moe_shared_weights)
