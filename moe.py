@@ -11,8 +11,8 @@
 
 One call is two launches on torch's current CUDA queue and no host work that reads the routing or grows with E:
 - `MoePrepareKernel` (one CTA per expert) turns `offs` into the pointer and size tables, the M-exact kernel's work
-  list (each expert's tile width by the host planner's rule, `_sm90_bulk_plan`, its tiles dealt to a fixed grid of
-  SM-count CTAs as runs of equal predicted cost) and the experts' TMA descriptors;
+  list (each expert's tile width by the host planner's rule, `_sm90_bulk_plan`, the tiles widest first dealt in
+  snake order to a fixed grid of SM-count CTAs) and the experts' TMA descriptors;
 - the Hopper GEMM (`Sm90BlockScaledGroupedGemmKernel` with the MoE switches: the A scales read row-major, alpha,
   bf16 out) converts A and runs the work list.
 So a layer step can be captured in a CUDA graph and replayed after new routing is written into the same tensors,
@@ -95,9 +95,9 @@ def header_words(grid: int) -> int:
 
 
 def plan_reference(offs: torch.Tensor, num_tokens: int, n: int, k: int, widths: tuple, grid: int) -> dict:
-    """What MoePrepareKernel writes, computed by torch on the CPU (the tests' independent statement of the rule):
-    per expert its first row, rows, splits and width index; the parts (int32 [tiles, 8]) and the header
-    offsets (grid + 1 of them)."""
+    """What MoePrepareKernel writes, computed by torch and Python on the CPU (the tests' independent statement of
+    the rule): per expert its first row, rows, splits and width index; the parts CTA after CTA (int32 [tiles, 8])
+    and the header offsets (grid + 1 of them)."""
     offs = offs.to("cpu", torch.int64)
     ends = torch.cummax(offs.clamp(0, num_tokens), 0).values
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), ends[:-1]])
@@ -117,13 +117,19 @@ def plan_reference(offs: torch.Tensor, num_tokens: int, n: int, k: int, widths: 
         width = widths[int(width_index[e])]
         for j in range(int(tiles[e])):
             parts.append((e, (j // n_tiles) * width, int(width_index[e]), j % n_tiles, 0, k // 128, -1, 0))
-    tile_costs = torch.repeat_interleave(cost, tiles)
-    prefix = torch.cumsum(tile_costs, 0) - tile_costs
-    total = int(tile_costs.sum())
-    offsets = []
-    for c in range(grid + 1):
-        threshold = -(-2 * c * total // grid) if total else 0
-        offsets.append(int(((2 * prefix + tile_costs) < threshold).sum()))
+    # the sequence: widest width first, then expert, split, N tile; snake over `grid` CTAs
+    order = sorted(range(len(parts)), key=lambda i: -parts[i][2])  # stable: expert, split, N tile order kept
+    laps, rest = divmod(len(parts), grid)
+    per_cta = [[] for _ in range(grid)]
+    for position, i in enumerate(order):
+        lap, seat = divmod(position, grid)
+        per_cta[seat if lap % 2 == 0 else grid - 1 - seat].append(parts[i])
+    assert all(len(p) == laps + (1 if (c < rest if laps % 2 == 0 else c >= grid - rest) else 0)
+               for c, p in enumerate(per_cta))
+    offsets = [0]
+    for p in per_cta:
+        offsets.append(offsets[-1] + len(p))
+    parts = [part for p in per_cta for part in p]
     return {"starts": starts, "m": m, "splits": splits, "width_index": width_index,
             "parts": torch.tensor(parts, dtype=torch.int32).reshape(-1, 8), "offsets": offsets}
 
@@ -134,29 +140,35 @@ def plan_reference(offs: torch.Tensor, num_tokens: int, n: int, k: int, widths: 
 if HAVE_DSL:
     import submission_sm90 as sm90
 
-    @cute.jit
-    def _shuffle_i64(x, src):
-        lo = cute.arch.shuffle_sync(cutlass.Int32(x & 0xFFFFFFFF), src)
-        hi = cute.arch.shuffle_sync(cutlass.Int32(x >> 32), src)
-        return (cutlass.Int64(hi) << 32) | (cutlass.Int64(lo) & 0xFFFFFFFF)
-
     class MoePrepareKernel:
         """Per call, before the GEMM on the same queue, one warp per expert e (grid E):
-        1. every warp scans `offs` (clamped: `nvfp4_moe_mm`'s rule) and each expert's splits, width and tile
-           cost (`plan_reference`'s rule), lane l holding experts l * P .. l * P + P - 1 (P = ceil(E / 32)),
-           into shared arrays of tiles and cost before each expert;
+        1. every warp scans `offs` (clamped: `nvfp4_moe_mm`'s rule) and each expert's splits and width
+           (`plan_reference`'s rule), lane l holding experts l * P .. l * P + P - 1 (P = ceil(E / 32)), and per
+           width the tiles of earlier experts (warp scans), into shared arrays;
         2. warp e writes expert e's pointer row (A, SFA, C at its first row; B, SFB at its weight slice) and
-           size row (M, N, K, alpha's bits), and its tiles' parts in the work list at their global position
-           (split-major, then N tile: an expert's tiles stay together, so a CTA changes group rarely);
-        3. warp 0 writes the header: CTA c's first part is the first tile t whose midpoint key
-           2 prefix(t) + cost(t) reaches 2 c C / grid (C: the total cost), found by a binary search over the
-           experts: CTAs run contiguous, equal-cost stretches of the tile sequence (within a tile of the mean);
+           size row (M, N, K, alpha's bits), and its tiles' parts: the tiles form one sequence, widest width
+           first (the host planner's longest-first order: a tile's cost grows with its width), then by expert,
+           split and N tile; position p goes to CTA p % grid on even laps (p // grid) and grid - 1 - p % grid on
+           odd ones (snake), as the CTA's part p // grid. Each CTA's load is within one tile of the mean, and at
+           any moment the CTAs work on a window of `grid` neighbouring tiles (an expert's N tiles together: its
+           A and, across splits, its B tiles shared in L2, as in the host's plans);
+        3. warp 0 writes the header (`cta_offset`: closed form);
         4. warp e writes expert e's TMA descriptors (the code of `GroupTensormapKernel`) and its share of the
            GEMM's workspace reset (`prepare_workspace`).
         Launched without programmatic dependent launch: it waits for the GEMM before it on the queue, which reads
         the same tables, work list and descriptors."""
 
         threads = 32
+
+        @cute.jit
+        def cta_offset(self, cta, laps, rest):
+            """CTA `cta`'s first part in the work list (`cta` = grid: the part count): every CTA has `laps` parts
+            and the last, partial lap's `rest` tiles go to CTAs 0 .. rest - 1 (an even lap) or grid - rest ..
+            grid - 1 (an odd one)."""
+            extra = cutlass.min(cta, rest)
+            if laps % 2 == 1:
+                extra = cutlass.max(cta - (self.grid - rest), cutlass.Int32(0))
+            return cta * laps + extra
 
         def __init__(self, gemm, num_experts: int, n: int, k: int, grid: int):
             self.gemm = gemm
@@ -199,20 +211,20 @@ if HAVE_DSL:
             class SharedStorage:
                 tensormap_buffer: cute.struct.Align[
                     cute.struct.MemRange[cutlass.Int64, len(slots) * TENSORMAP_BYTES // 8], TENSORMAP_BYTES]
-                cost_before: cute.struct.MemRange[cutlass.Int64, 32 * P]
-                tiles_before: cute.struct.MemRange[cutlass.Int32, 32 * P]
                 start: cute.struct.MemRange[cutlass.Int32, 32 * P]
                 rows: cute.struct.MemRange[cutlass.Int32, 32 * P]
                 choice: cute.struct.MemRange[cutlass.Int32, 32 * P]  # width index | splits << 8
+                before: cute.struct.MemRange[cutlass.Int32, 32 * P]  # tiles of the same width in earlier experts
 
             storage = SmemAllocator().allocate(SharedStorage)
-            s_cost = storage.cost_before.get_tensor(cute.make_layout((32 * P,)))
-            s_tiles = storage.tiles_before.get_tensor(cute.make_layout((32 * P,)))
             s_start = storage.start.get_tensor(cute.make_layout((32 * P,)))
             s_rows = storage.rows.get_tensor(cute.make_layout((32 * P,)))
             s_choice = storage.choice.get_tensor(cute.make_layout((32 * P,)))
+            s_before = storage.before.get_tensor(cute.make_layout((32 * P,)))
             offs_t = cute.make_tensor(cute.make_ptr(cutlass.Int32, offs, cute.AddressSpace.gmem, assumed_align=4),
                                       cute.make_layout((E,)))
+            num_widths = len(self.widths)
+            n_tiles = n // 128
 
             # ---- 1. ends: clamped to [0, T], a running maximum (lane-local, then across lanes)
             ends = []
@@ -230,62 +242,67 @@ if HAVE_DSL:
                 below = cute.arch.shuffle_sync(incl, (lane - (1 << d)) & 31)
                 incl = cutlass.max(incl, below * cutlass.Int32(lane >= (1 << d)))
             prev = cute.arch.shuffle_sync(incl, (lane - 1) & 31) * cutlass.Int32(lane >= 1)
-            # ---- per expert: rows, the cheapest candidate (fewest tiles first), tiles and cost
-            tiles_run = cutlass.Int32(0)
-            cost_run = cutlass.Int64(0)
+            # ---- per expert: rows, the candidate of least total cost (fewest tiles first), and its tiles counted
+            # per width (lane-local runs)
+            runs = [cutlass.Int32(0) for _ in range(num_widths)]
             local = []
             for j in cutlass.range_constexpr(P):
                 end = cutlass.max(ends[j], prev)
                 m = end - prev
                 best_count = cutlass.Int32(0)
                 best_width = cutlass.Int32(0)
-                best_cost = cutlass.Int32(0)
-                best_total = cutlass.Int64(0)
-                for ci in cutlass.range_constexpr(len(self.widths) - 1, -1, -1):
+                best_total = cutlass.Int32(0)
+                for ci in cutlass.range_constexpr(num_widths - 1, -1, -1):
                     cap = self.widths[ci]
                     count = (m + (cap - 1)) // cap
                     # the narrowest width whose `count` tiles cover m
-                    wi = cutlass.Int32(len(self.widths) - 1)
+                    wi = cutlass.Int32(num_widths - 1)
                     cost = cutlass.Int32(self.costs[-1])
-                    for x in cutlass.range_constexpr(len(self.widths) - 1, -1, -1):
+                    for x in cutlass.range_constexpr(num_widths - 1, -1, -1):
                         if self.widths[x] * count >= m:
                             wi = cutlass.Int32(x)
                             cost = cutlass.Int32(self.costs[x])
-                    total = cutlass.Int64(count) * cost
-                    if cutlass.const_expr(ci == len(self.widths) - 1):  # the first candidate: the fewest tiles
-                        best_total, best_count, best_width, best_cost = total, count, wi, cost
+                    total = count * cost
+                    if cutlass.const_expr(ci == num_widths - 1):  # the first candidate: the fewest tiles
+                        best_total, best_count, best_width = total, count, wi
                     else:
                         if total < best_total:  # strictly: the first of equal totals stays
                             best_total = total
                             best_count = count
                             best_width = wi
-                            best_cost = cost
-                tiles = best_count * (n // 128)
-                local.append((prev, m, best_width, best_count, tiles_run, cost_run, best_cost))
-                tiles_run = tiles_run + tiles
-                cost_run = cost_run + cutlass.Int64(tiles) * best_cost
+                tiles = best_count * n_tiles
+                before = cutlass.Int32(0)
+                for x in cutlass.range_constexpr(num_widths):
+                    on = cutlass.Int32(best_width == x)
+                    before = before + runs[x] * on
+                    runs[x] = runs[x] + tiles * on
+                local.append((prev, m, best_width | (best_count << 8), before))
                 prev = end
-            # ---- exclusive scans of the lanes' tile and cost totals
-            t_incl = tiles_run
-            c_incl = cost_run
-            for d in cutlass.range_constexpr(5):
-                t_below = cute.arch.shuffle_sync(t_incl, (lane - (1 << d)) & 31)
-                c_below = _shuffle_i64(c_incl, (lane - (1 << d)) & 31)
-                on = cutlass.Int32(lane >= (1 << d))
-                t_incl = t_incl + t_below * on
-                c_incl = c_incl + c_below * cutlass.Int64(on)
-            t_base = t_incl - tiles_run
-            c_base = c_incl - cost_run
-            total_cost = _shuffle_i64(c_incl, 31)
+            # ---- per width: exclusive scan of the lanes' tile counts, and the totals
+            bases, totals = [], []
+            for x in cutlass.range_constexpr(num_widths):
+                t_incl = runs[x]
+                for d in cutlass.range_constexpr(5):
+                    t_below = cute.arch.shuffle_sync(t_incl, (lane - (1 << d)) & 31)
+                    t_incl = t_incl + t_below * cutlass.Int32(lane >= (1 << d))
+                bases.append(t_incl - runs[x])
+                totals.append(cute.arch.shuffle_sync(t_incl, 31))
             for j in cutlass.range_constexpr(P):
-                start, m, wi, count, t_before, c_before, cost = local[j]
+                start, m, choice, before = local[j]
                 i = lane * P + j
                 s_start[i] = start
                 s_rows[i] = m
-                s_choice[i] = wi | (count << 8)
-                s_tiles[i] = t_base + t_before
-                s_cost[i] = c_base + c_before
+                s_choice[i] = choice
+                base = cutlass.Int32(0)
+                for x in cutlass.range_constexpr(num_widths):
+                    base = base + bases[x] * cutlass.Int32((choice & 0xFF) == x)
+                s_before[i] = base + before
             cute.arch.barrier()
+            all_tiles = cutlass.Int32(0)
+            for x in cutlass.range_constexpr(num_widths):
+                all_tiles = all_tiles + totals[x]
+            laps = all_tiles // self.grid
+            rest = all_tiles % self.grid
 
             # ---- 2. expert e's table rows and parts
             start = s_start[e]
@@ -293,7 +310,6 @@ if HAVE_DSL:
             choice = s_choice[e]
             wi = choice & 0xFF
             count = choice >> 8
-            first_tile = s_tiles[e]
             if lane == 0:
                 ptr_table[e, int(PtrColumn.A)] = a + cutlass.Int64(start) * (k // 2)
                 ptr_table[e, int(PtrColumn.SFA)] = sfa + cutlass.Int64(start) * (k // 16)
@@ -307,14 +323,24 @@ if HAVE_DSL:
                 size_table[e, int(SizeColumn.N)] = cutlass.Int32(n)
                 size_table[e, int(SizeColumn.K)] = cutlass.Int32(k)
                 size_table[e, int(SizeColumn.L)] = alpha_bits
+            # this expert's first position in the sequence: the tiles of wider widths, then those of its width in
+            # earlier experts
             width = cutlass.Int32(self.widths[0])
-            for x in cutlass.range_constexpr(1, len(self.widths)):
+            first = s_before[e]
+            for x in cutlass.range_constexpr(num_widths):
                 if wi == x:
                     width = cutlass.Int32(self.widths[x])
-            n_tiles = n // 128
+                    for y in cutlass.range_constexpr(x + 1, num_widths):
+                        first = first + totals[y]
             parts = work + 4 * self.header_words
             for j in cutlass.range(lane, count * n_tiles, 32, unroll=1):
-                entry = parts + 32 * cutlass.Int64(first_tile + j)
+                position = first + j
+                lap = position // self.grid
+                seat = position % self.grid
+                cta = seat
+                if lap % 2 == 1:
+                    cta = self.grid - 1 - seat
+                entry = parts + 32 * cutlass.Int64(self.cta_offset(cta, laps, rest) + lap)
                 sm90.st_global_v4(entry, cutlass.Uint32(e), cutlass.Uint32((j // n_tiles) * width), cutlass.Uint32(wi),
                                   cutlass.Uint32(j % n_tiles))
                 sm90.st_global_v4(entry + 16, cutlass.Uint32(0), cutlass.Uint32(k // 128), cutlass.Uint32(0xFFFFFFFF),
@@ -325,34 +351,7 @@ if HAVE_DSL:
                 if lane == 0:
                     sm90.st_global_u32(work, cutlass.Uint32(0))
                 for cta in cutlass.range(lane, self.grid + 1, 32, unroll=1):
-                    threshold = (2 * cutlass.Int64(cta) * total_cost + (self.grid - 1)) // self.grid
-                    # the last expert g with 2 cost_before(g) < threshold (none: offset 0)
-                    lo = cutlass.Int32(0)
-                    hi = cutlass.Int32(E)  # search in [lo, hi): the answer is lo - 1 at the end
-                    for _ in cutlass.range_constexpr(max(1, (E - 1).bit_length() + 1)):
-                        if lo < hi:
-                            mid = (lo + hi) // 2
-                            if 2 * s_cost[mid] < threshold:
-                                lo = mid + 1
-                            else:
-                                hi = mid
-                    offset = cutlass.Int32(0)
-                    if lo > 0:
-                        g = lo - 1
-                        g_choice = s_choice[g]
-                        g_cost = cutlass.Int64(self.costs[0])
-                        for x in cutlass.range_constexpr(1, len(self.widths)):
-                            if (g_choice & 0xFF) == x:
-                                g_cost = cutlass.Int64(self.costs[x])
-                        g_tiles = (g_choice >> 8) * n_tiles
-                        # tiles j of g with 2 cost_before + (2 j + 1) cost < threshold
-                        room = threshold - 2 * s_cost[g] - g_cost
-                        inside = cutlass.Int32(0)
-                        if room > 0:
-                            inside = cutlass.Int32(cutlass.min((room + 2 * g_cost - 1) // (2 * g_cost),
-                                                               cutlass.Int64(g_tiles)))
-                        offset = s_tiles[g] + inside
-                    sm90.st_global_u32(work + 4 * (1 + cutlass.Int64(cta)), cutlass.Uint32(offset))
+                    sm90.st_global_u32(work + 4 * (1 + cutlass.Int64(cta)), cutlass.Uint32(self.cta_offset(cta, laps, rest)))
 
             # ---- 4. expert e's descriptors (from the rows just written) and the workspace reset
             cute.arch.barrier()
@@ -541,17 +540,40 @@ def _launch_for(device: torch.device, queue: int, num_tokens: int, num_experts: 
     return launch
 
 
+def _signature(a, a_scale, b, b_scale, offs, alpha, out) -> tuple:
+    """What the checks read of the tensors (shapes, dtypes, devices, contiguity), read cheaply: a call whose
+    signature was checked before skips the checks (`_moe_mm_into`; only the addresses are checked each call)."""
+    tensors = (a, a_scale, b, b_scale, offs, out) if alpha is None else (a, a_scale, b, b_scale, offs, out, alpha)
+    return (tuple((t.shape, t.dtype, t.get_device(), t.is_contiguous()) for t in tensors),
+            torch._C._cuda_getCurrentRawStream(a.get_device()) if a.is_cuda else None)
+
+
+_signatures: dict = {}  # `_signature` -> its _MoeLaunch, or the checks' result for an empty T
+
+
 def _moe_mm_into(a, a_scale, b, b_scale, offs, alpha, out) -> None:
-    num_tokens, num_experts, n, k, out_dtype = check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out.dtype)
-    if num_tokens == 0:
-        return
-    queue = torch.cuda.current_stream(a.device).cuda_stream
-    launch = _launch_for(a.device, queue, num_tokens, num_experts, n, k, out_dtype)
+    """One call: the checks (once per signature), then the two launches with this call's addresses."""
+    signature = _signature(a, a_scale, b, b_scale, offs, alpha, out)
+    launch = _signatures.get(signature)
+    if launch is None:
+        num_tokens, num_experts, n, k, out_dtype = check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out.dtype)
+        if num_tokens == 0:
+            return
+        launch = _launch_for(a.device, signature[1], num_tokens, num_experts, n, k, out_dtype)
+        if len(_signatures) >= MAX_SIGNATURES:
+            _signatures.clear()
+        _signatures[signature] = launch
+    pa, pas, pb, pbs, po = a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(), out.data_ptr()
+    if (pa | pas | pb | pbs | po) & 15:
+        check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out.dtype)  # names the misaligned one
     tables, workspace, work = launch.fixed
-    launch.prepare((offs.data_ptr(), a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(),
-                    out.data_ptr(), 0 if alpha is None else alpha.data_ptr(), tables, workspace, work, num_tokens,
-                    queue))
+    queue = signature[1]
+    launch.prepare((offs.data_ptr(), pa, pas, pb, pbs, po, 0 if alpha is None else alpha.data_ptr(), tables,
+                    workspace, work, a.shape[0], queue))
     launch.gemm(launch.gemm_values + (queue,))
+
+
+MAX_SIGNATURES = 1024  # a serving engine has a few shapes per layer kind and batch size
 
 
 # ---------------------------------------------------------------------------------------------------------
