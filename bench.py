@@ -5,7 +5,8 @@
     python bench.py [FILE] --ab A B [C ...] [--ab-rounds N] [--repeats N]
     python bench.py --moe [--moe-cases A,B] [--moe-calls N] [--moe-patterns N] [--moe-profile] [--moe-shared-weights]
     python bench.py --moe --ab A B [C ...] [--ab-rounds N] [--moe-cases A,B] [--moe-calls N] [--moe-shared-weights]
-    python bench.py --moe --serving [--serving-cases A,B] [--serving-steps N] [--serving-check-steps N] [--no-humming]
+    python bench.py --moe --serving [--serving-cases A,B] [--serving-steps N] [--serving-check-steps N] [--serving-schedule]
+                                    [--no-humming]
 
 For every benchmark case of FILE (default task.yml) it times, each on the same 15 input sets:
   kernel         submission.custom_kernel(data)
@@ -648,6 +649,9 @@ def main(argv=None) -> int:
     moe.add_argument("--serving-steps", type=_positive_int, metavar="N", help="steps per timed loop (20)")
     moe.add_argument("--serving-check-steps", type=_non_negative_int, metavar="N",
                      help="steps checked against a float64 decode (3)")
+    moe.add_argument("--serving-schedule", action="store_true", default=None,
+                     help="with --serving: also the entry's kernel (its schedule made on the GPU) beside "
+                          "custom_kernel's (planned on the host) on bench_moe's routings")
     args = parser.parse_args(argv)
     defaults = {dest: parser.get_default(dest) for dest in vars(args)}
     problem = ab_options_problem(args, defaults) or bench_serving.options_problem(args, defaults)

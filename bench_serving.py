@@ -28,6 +28,8 @@ Check: `--serving-check-steps` eager steps and one more replay of the routing + 
 before each), every routed row against a float64 decode: |out - exact| <= 1e-2 + 1e-2 |exact| + 2^-24 sqrt(K)
 sum|a b| (bf16 rounding is at most 2^-8 relative; the last term bounds fp32 accumulation on near-cancelling
 sums); the worst ratio, above 1 fails (exit 1). Progress on stderr; the markdown table and its notes on stdout.
+`--serving-schedule` adds a second table (`schedule_lines`): the entry's kernel, its schedule made on the GPU,
+beside custom_kernel's, planned on the host, on the same routing and inputs.
 """
 import dataclasses
 import math
@@ -58,7 +60,7 @@ OTHER_OPTIONS = (("cases", "a case file"), ("repeats", "--repeats"), ("plot", "-
                  ("moe_cases", "--moe-cases"), ("moe_calls", "--moe-calls"), ("moe_patterns", "--moe-patterns"),
                  ("moe_profile", "--moe-profile"), ("moe_shared_weights", "--moe-shared-weights"))
 OWN_OPTIONS = (("serving_cases", "--serving-cases"), ("serving_steps", "--serving-steps"),
-               ("serving_check_steps", "--serving-check-steps"))
+               ("serving_check_steps", "--serving-check-steps"), ("serving_schedule", "--serving-schedule"))
 
 
 def select_cases(names: Optional[str]) -> list:
@@ -85,7 +87,7 @@ def options_problem(args, defaults: dict) -> Optional[str]:
     others = [flag for dest, flag in OTHER_OPTIONS if getattr(args, dest) != defaults[dest]]
     if others:
         return f"{others[0]} does not apply to --moe --serving (its options: --serving-cases, --serving-steps, " \
-               "--serving-check-steps, --no-humming)"
+               "--serving-check-steps, --serving-schedule, --no-humming)"
     try:
         select_cases(args.serving_cases)
     except ValueError as err:
@@ -436,6 +438,42 @@ def notes_lines(gpu: str, rate: float, steps: int, check_steps: int, humming_not
          ["humming: W4A16 (fp16 A x NVFP4 B), its output not checked here (bench.py's default run checks it)."])
 
 
+def schedule_lines(cases: list, calls: int = 10) -> list:
+    """`--serving-schedule`: per case, bench_moe's routing and inputs (its seed), the kernel µs of custom_kernel
+    (the host planner's schedule, `plan_sm90_work`) and of nvfp4_moe_mm with fp16 out (the schedule made on the
+    GPU), bench_moe's timing (median of `calls`, each alone, L2 flushed), both outputs checked (bench_moe's
+    tolerance, float64 decode)."""
+    import moe
+    import submission
+
+    lines = ["| case | custom_kernel µs (host plan) | nvfp4_moe_mm µs (GPU plan) | GPU / host | worst err/tol (host, GPU) |",
+             "|---|---|---|---|---|"]
+    for case in cases:
+        harness.progress(f"[schedule] {case.name}")
+        ms = bench_moe.route(case, case.seed)
+        weights = bench_moe.make_weights(case, "cuda")
+        data = bench_moe.make_input(case, ms, weights, case.seed, "cuda")
+        host_worst = bench_moe.worst_error_ratio(data, submission.custom_kernel(data))
+        host_us = bench_moe.median_us(lambda: submission.custom_kernel(data), calls)
+        abc, sfs, _, _ = data
+        a = torch.cat([x[0][:, :, 0].view(torch.uint8) for x in abc])
+        a_scale = torch.cat([s[0][:, :, 0].to("cuda") for s in sfs])
+        b, b_scale = moe.prepare_moe_weights(torch.stack([w[0][:, :, 0].view(torch.uint8) for w in weights]),
+                                             torch.stack([w[1][:, :, 0].to("cuda") for w in weights]))
+        offs = torch.cumsum(torch.tensor(ms), 0).to(torch.int32).cuda()
+        out = torch.full((sum(ms), case.n), math.nan, dtype=torch.float16, device="cuda")
+        call = lambda: moe.nvfp4_moe_mm(a, a_scale, b, b_scale, offs, None, out=out)  # noqa: E731
+        call()
+        ends = torch.cumsum(torch.tensor(ms), 0).tolist()
+        gpu_worst = bench_moe.worst_error_ratio(data, [out[e - m:e].unsqueeze(-1) for m, e in zip(ms, ends)])
+        gpu_us = bench_moe.median_us(call, calls)
+        lines.append(f"| {case.name} | {host_us:.1f} | {gpu_us:.1f} | {gpu_us / host_us:.3f} | "
+                     f"{host_worst:.3f}, {gpu_worst:.3f} |")
+        del data, weights, a, a_scale, b, b_scale, out
+        torch.cuda.empty_cache()
+    return lines
+
+
 def main(args, bench, device="cuda") -> int:
     """bench.py --moe --serving after bench.py parsed its options (bench: that module, for humming's helpers)."""
     cases = select_cases(args.serving_cases)
@@ -454,5 +492,11 @@ def main(args, bench, device="cuda") -> int:
             rows.append(Row(case, "-", error=one_line(err, 120)))
         torch.cuda.empty_cache()
     print("\n".join(table_lines(rows) + [""] + notes_lines(torch.cuda.get_device_name(), rate, steps, check_steps,
-                                                           humming_note) + notes))
-    return 1 if any(row.error or (row.worst or 0) > 1 for row in rows) else 0
+                                                           humming_note) + notes), flush=True)
+    failed = any(row.error or (row.worst or 0) > 1 for row in rows)
+    if getattr(args, "serving_schedule", None):
+        lines = schedule_lines(cases)
+        print("\n".join(["", "Schedule: bench_moe's routing and inputs; kernel µs as bench.py --moe times them."]
+                        + lines))
+        failed = failed or any(float(line.split("|")[5].split(",")[1]) > 1 for line in lines[2:])
+    return 1 if failed else 0

@@ -150,10 +150,10 @@ class Sm90GemmConfig:
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
-    late_stage_release: without the prepass only (`sm90_tile128`): the transform warpgroup releases its stage
-      after its conversion is committed instead of right after its loads. A lever no variant sets: a probe of
-      docs/HOPPER_NOTES.md r43 (an ordering hazard between the transform's shared-memory loads and the
-      producer's next TMA write into that stage would vanish with it).
+    late_stage_release: without the prepass only (`sm90_tile128` sets it): the transform warpgroup releases its
+      stage after its conversion is committed instead of right after its loads. Released early, the producer's
+      next TMA write into the stage raced the transform's reads of it: whole rows of a tile wrong in 9 of 12
+      runs of the runner's pattern, none with it (H100, docs/HOPPER_NOTES.md r43).
     The MoE entry's switches (moe.py; the leaderboard's builds leave them off, their PTX unchanged):
     sfa_row_major: the fused A conversion reads A's scales row-major, [rows, K / 16] as a quantization kernel
       writes them (the pointer table's SFA column points at the group's first row), instead of blocked.
@@ -212,7 +212,9 @@ class Sm90GemmConfig:
 # Hopper's kernels by name. custom_kernel picks one per problem (choose_sm90_config); compile_for and the
 # tests can name one.
 SM90_VARIANT_CONFIGS = {
-    "sm90_tile128": Sm90GemmConfig(),
+    # the transform warpgroup releases each stage after its conversion is committed: released right after its loads,
+    # 9 of 12 runs of the runner's pattern were wrong (whole rows of a tile; H100, docs/HOPPER_NOTES.md r43)
+    "sm90_tile128": Sm90GemmConfig(late_stage_release=True),
     "sm90_a16_mexact": Sm90GemmConfig(a16_prepass=True, m_exact=True),
     "sm90_a16_mexact128": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=128),
     # widths 16-128: on the Qwen3 decode cases 4.5 % / 7.8 % faster than the wide builds, where 16-64 was 2 %
