@@ -1,0 +1,62 @@
+"""The MoE entry's kernels (moe.py) build for sm_90a without a GPU, on every DSL version CI installs: the per-call
+preparation kernel and the GEMM of each build the entry picks, with the MoE switches (row-major A scales, alpha,
+bf16 out), and their SASS is sane: the GEMM's wgmma waits pipelined and no local memory in either; the
+preparation kernel writes its work-list parts with 128-bit stores and makes no wgmma."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import eval as ev
+from conftest import ROOT
+
+pytestmark = [
+    pytest.mark.build,
+    pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="needs nvidia-cutlass-dsl"),
+    pytest.mark.skipif(ev.find_cuobjdump() is None, reason="needs cuobjdump (nvidia-cuda-cuobjdump)"),
+]
+
+_SCRIPT = r"""
+import dataclasses, json, sys
+sys.path.insert(0, sys.argv[1])
+import moe
+experts, n, k, build, bf16 = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6] == "1"
+config = dataclasses.replace(moe.moe_builds()[build], bf16_out=bf16)
+try:
+    moe._compile(sys.argv[7], experts, n, k, config, 132)
+except Exception as err:  # 4.3.x without a driver: the cubin is written, then loading it fails
+    if "CudaDriverDependencyError" not in repr(err) and "CUDA Driver Dependency" not in str(err):
+        raise
+print("MOE_BUILT " + json.dumps(config.widths))
+"""
+
+
+@pytest.mark.parametrize("experts, n, k, build, bf16", [(256, 512, 1024, "pairs", True), (128, 384, 768, "narrow", False),
+                                                        (32, 256, 512, "wide", True)])
+def test_moe_kernels_build_for_sm90a(tmp_path, experts, n, k, build, bf16):
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP="cubin",
+               CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_DISABLE_FILE_CACHING="1")
+    print(f"building the MoE entry's {build} build for sm_90a: E={experts} N={n} K={k}", flush=True)
+    # one process per kernel: after 4.3.x fails to load one without a driver, its JIT session loads no other
+    for kind in ("prepare", "gemm"):
+        proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(ROOT), str(experts), str(n), str(k), build,
+                               "1" if bf16 else "0", kind], env=env, capture_output=True, text=True, timeout=1800)
+        assert "MOE_BUILT" in proc.stdout, proc.stderr[-3000:]
+    widths = json.loads(proc.stdout.split("MOE_BUILT ")[1])
+
+    def sass_of(name):
+        cubins = sorted(tmp_path.rglob(f"*{name}*.cubin"))
+        assert cubins, list(tmp_path.rglob("*"))
+        return subprocess.run([ev.find_cuobjdump(), "-sass", str(cubins[-1])], capture_output=True, text=True).stdout
+
+    prepare, gemm = sass_of("MoePrepareKernel"), sass_of("on_stream")
+    counts = ev.count_sass(gemm)
+    assert counts["WGDEP1"] > 0, "the GEMM's wgmma waits are not pipelined"
+    assert counts["LDL"] == 0 and counts["STL"] == 0, "the GEMM spills to local memory"
+    assert "HGMMA" in gemm and "HGMMA" not in prepare
+    assert "STG.E.128" in prepare and "LDL" not in prepare and "STL" not in prepare
+    # one mainloop per tile width (the GEMM's `consume_tile` per width of the build)
+    assert len(widths) >= 1 and ("F2FP.BF16" in gemm) == bf16
