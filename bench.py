@@ -690,9 +690,11 @@ def main(argv=None) -> int:
         submission.set_launch_path(default_path)
     texts = args.ab or (("pdl=on", "pdl=off") if args.pdl_ab else ())
     try:
-        sm90 = hopper_module()
-        settings = tuple(parse_setting(text, (*submission.KERNEL_VARIANTS, *sm90.SM90_VARIANTS),
-                                       sm90.sm90_override_types()) for text in texts)
+        settings = ()
+        if texts:  # the Hopper module only where a setting may name its variants or fields
+            sm90 = hopper_module()
+            settings = tuple(parse_setting(text, (*submission.KERNEL_VARIANTS, *sm90.SM90_VARIANTS),
+                                           sm90.sm90_override_types()) for text in texts)
     except ValueError as err:
         return harness.usage_error("bench.py", str(err))
     if not torch.cuda.is_available():
