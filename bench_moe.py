@@ -105,6 +105,11 @@ OTHER_OPTIONS = (("cases", "a case file"), ("repeats", "--repeats"), ("plot", "-
                  ("launch_paths", "--launch-paths"), ("pdl_ab", "--pdl-ab"), ("no_humming", "--no-humming"))
 
 
+def foreign_option(args, defaults: dict, options: tuple) -> Optional[str]:
+    """The first of `options` ((argparse name, flag) pairs) given a value other than its default, or None."""
+    return next((flag for dest, flag in options if getattr(args, dest) != defaults[dest]), None)
+
+
 def options_problem(args, defaults: dict) -> Optional[str]:
     """What is wrong with bench.py's MoE options (one line), or None; fills in the defaults of --moe-calls
     (20) and --moe-patterns (3) when --moe is given."""
@@ -113,9 +118,9 @@ def options_problem(args, defaults: dict) -> Optional[str]:
     given += ["--moe-shared-weights"] if getattr(args, "moe_shared_weights", False) else []
     if not args.moe:
         return f"{given[0]} needs --moe" if given else None
-    others = [flag for dest, flag in OTHER_OPTIONS if getattr(args, dest) != defaults[dest]]
-    if others:
-        return f"{others[0]} does not apply to --moe (it runs its own cases; its options: --moe-cases, " \
+    other = foreign_option(args, defaults, OTHER_OPTIONS)
+    if other:
+        return f"{other} does not apply to --moe (it runs its own cases; its options: --moe-cases, " \
                "--moe-calls, --moe-patterns, --moe-profile, --moe-shared-weights, --ab)"
     try:
         select_cases(args.moe_cases)

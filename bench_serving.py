@@ -84,9 +84,9 @@ def options_problem(args, defaults: dict) -> Optional[str]:
         return f"{given[0]} needs --serving" if given else None
     if not args.moe:
         return "--serving needs --moe"
-    others = [flag for dest, flag in OTHER_OPTIONS if getattr(args, dest) != defaults[dest]]
-    if others:
-        return f"{others[0]} does not apply to --moe --serving (its options: --serving-cases, --serving-steps, " \
+    other = bench_moe.foreign_option(args, defaults, OTHER_OPTIONS)
+    if other:
+        return f"{other} does not apply to --moe --serving (its options: --serving-cases, --serving-steps, " \
                "--serving-check-steps, --serving-schedule, --no-humming)"
     try:
         select_cases(args.serving_cases)

@@ -148,3 +148,26 @@ def cuda_capability():
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def have_dsl() -> bool:
+    """nvidia-cutlass-dsl is importable (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("cutlass") is not None
+
+
+def bench_usage_error(capsys, monkeypatch, args: list, stopped) -> str:
+    """bench.py's main on `args`, which must end in one line on stderr and exit status 2 before any GPU check
+    (and before `stopped`, a module whose main must not run); returns that line."""
+    import bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("looked for a GPU"))
+    monkeypatch.setattr(stopped, "main", lambda *a, **k: pytest.fail("ran"))
+    try:
+        code = bench.main(args)
+    except SystemExit as stop:  # argparse's own checks
+        code = stop.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and err.startswith("bench.py: "), err
+    return err

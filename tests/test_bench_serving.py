@@ -13,7 +13,7 @@ import torch
 import bench
 import bench_moe
 import bench_serving as bs
-from conftest import dequant_f64
+from conftest import bench_usage_error, dequant_f64
 
 TINY = bench_moe.MoeCase("tiny", "Tiny gate/up", 256, 512, 8, 6, top_k=2, zipf=1.5)
 
@@ -35,14 +35,7 @@ TINY = bench_moe.MoeCase("tiny", "Tiny gate/up", 256, 512, 8, 6, top_k=2, zipf=1
     (["--moe", "--serving", "task.yml"], "a case file does not apply to --moe --serving"),
 ])
 def test_serving_mistakes_are_one_line_exit_2_before_the_gpu_check(capsys, monkeypatch, args, piece):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("looked for a GPU"))
-    monkeypatch.setattr(bs, "main", lambda *a, **k: pytest.fail("ran"))
-    try:
-        code = bench.main(args)
-    except SystemExit as stop:  # argparse's own checks
-        code = stop.code
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and "\n" not in err and err.startswith("bench.py: ") and piece in err, err
+    assert piece in bench_usage_error(capsys, monkeypatch, args, bs)
 
 
 def test_serving_hands_its_options_over_with_defaults(monkeypatch):

@@ -9,17 +9,10 @@ Skipped without an sm_90 GPU and nvidia-cutlass-dsl."""
 import pytest
 import torch
 
-from conftest import cuda_capability
+from conftest import cuda_capability, have_dsl
 
-CAPABILITY = cuda_capability()
-try:
-    import cutlass  # noqa: F401
-    HAVE_DSL = True
-except ImportError:
-    HAVE_DSL = False
-
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (HAVE_DSL and CAPABILITY == (9, 0)), reason="needs an sm_90 GPU and the DSL")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (have_dsl() and cuda_capability() == (9, 0)),
+                                                  reason="needs an sm_90 GPU and the DSL")]
 
 # every e2m1 value and their negatives; e4m3 scale codes of both signs, subnormals included (exponent <= 8)
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -195,11 +188,8 @@ def test_back_to_back_routings_share_buffers():
 def test_cuda_graph_replays_new_routing():
     import moe
 
-    layer = Layer(64, 512, 1024, seed=13)
-    gen = torch.Generator().manual_seed(9)
+    layer, gen, a, a_scale, offs = _routed(64, 512, 1024, 256, seed=13)
     t = 256
-    a, a_scale = layer.tokens(t)
-    offs = _offs(_counts_to(64, t, gen))
     out = torch.empty((t, 512), dtype=torch.bfloat16, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -221,6 +211,14 @@ def test_cuda_graph_replays_new_routing():
         _check(out, expected, bound, torch.bfloat16)
 
 
+def _routed(e, n, k, t, seed):
+    """A layer, a routing generator, and t tokens routed over its e experts (`_counts_to`)."""
+    layer = Layer(e, n, k, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    a, a_scale = layer.tokens(t)
+    return layer, gen, a, a_scale, _offs(_counts_to(e, t, gen))
+
+
 def _counts_to(e, t, gen):
     """A routing of exactly t rows over e experts, some empty."""
     weights = torch.rand(e, generator=gen) ** 4
@@ -232,11 +230,7 @@ def _counts_to(e, t, gen):
 def test_torch_compile_fullgraph():
     import moe
 
-    layer = Layer(16, 256, 512, seed=17)
-    gen = torch.Generator().manual_seed(3)
-    t = 96
-    a, a_scale = layer.tokens(t)
-    offs = _offs(_counts_to(16, t, gen))
+    layer, _, a, a_scale, offs = _routed(16, 256, 512, 96, seed=17)
 
     def moe_layer(a, a_scale, offs):
         y = moe.nvfp4_moe_mm(a, a_scale, layer.b, layer.b_scale, offs, layer.alpha, out_dtype=torch.bfloat16)
