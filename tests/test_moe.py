@@ -143,3 +143,13 @@ def test_builds_follow_rows_per_expert():
     assert moe.choose_build(4096 * 8, 128) == "wide"
     for config in moe.moe_builds().values():
         assert config.sfa_row_major and config.group_alpha and not config.split_k
+
+
+def test_a_b200_is_refused_in_one_line(monkeypatch):
+    """The entry has no B200 path yet: it says so before building or allocating anything."""
+    import submission
+
+    monkeypatch.setattr(submission, "_device_capability", lambda index: (10, 0))
+    with pytest.raises(submission.UnsupportedDeviceError, match="runs on Hopper .sm_90. GPUs for now; this GPU is sm_10x"):
+        moe._launch_for(torch.device("cuda", 0), 0, 64, 8, 256, 512, torch.bfloat16)
+    assert not moe._launches
