@@ -478,6 +478,7 @@ class _MoeLaunch:
     prepare: CellLauncher
     gemm: CellLauncher
     fixed: tuple  # the prepare kernel's buffer addresses (tables, workspace, work list)
+    gemm_values: tuple  # the GEMM's arguments but the queue: table, size table, workspace and work-list addresses, 0, grid
 
 
 _compiled: dict = {}
@@ -529,14 +530,13 @@ def _launch_for(device: torch.device, queue: int, num_tokens: int, num_experts: 
         prepare = CellLauncher(_compile("prepare", num_experts, n, k, config, grid),
                                (*(cutlass.Int64(0),) * 10, cutlass.Int32(1), cuda.CUstream(0)),
                                (ctypes.c_int64,) * 10 + (ctypes.c_int32, ctypes.c_void_p), device.index)
-        gemm_args = sm90.sm90_gemm_args((tables.data_ptr(), tables.data_ptr() + 8 * ptr_words, workspace.data_ptr(),
-                                         work.data_ptr(), 0, grid))
-        gemm = CellLauncher(_compile("gemm", num_experts, n, k, config, grid), (*gemm_args, cuda.CUstream(0)),
+        gemm_values = (tables.data_ptr(), tables.data_ptr() + 8 * ptr_words, workspace.data_ptr(), work.data_ptr(), 0,
+                       grid)
+        gemm = CellLauncher(_compile("gemm", num_experts, n, k, config, grid),
+                            (*sm90.sm90_gemm_args(gemm_values), cuda.CUstream(0)),
                             (ctypes.c_int64,) * 4 + (ctypes.c_int32,) * 2 + (ctypes.c_void_p,), device.index)
-    fixed = (tables.data_ptr(), workspace.data_ptr(), work.data_ptr())
-    launch = _launches[key] = _MoeLaunch(tables, workspace, work, prepare, gemm, fixed)
-    launch.gemm_values = (tables.data_ptr(), tables.data_ptr() + 8 * ptr_words, workspace.data_ptr(),
-                          work.data_ptr(), 0, grid)
+    launch = _launches[key] = _MoeLaunch(tables, workspace, work, prepare, gemm,
+                                         (tables.data_ptr(), workspace.data_ptr(), work.data_ptr()), gemm_values)
     return launch
 
 
