@@ -199,6 +199,11 @@ class Sm100PersistentConfig(Sm100TileConfig):
     smem_header_bytes: int = 1024
     # Programmatic dependent launch (USE_PDL).
     use_pdl: bool = USE_PDL
+    # The MoE entry's switches (moe.py; custom_kernel's builds leave them off): the tile count read from the word
+    # after the descriptor rows (`tile_count_offset`, written on the GPU) instead of the launch argument, and
+    # each group's output scaled by the fp32 in its size row's L column.
+    device_tile_count: bool = False
+    group_alpha: bool = False
 
     # Passing a stage count gets this error, not the dataclass's bare "unexpected keyword argument".
     _DERIVED_FIELDS = ("num_ab_stages", "num_c_stages")
@@ -1463,6 +1468,17 @@ class Sm100PersistentGroupedGemmKernel:
     def tensormap_workspace_bytes(num_groups: int) -> int:
         return num_groups * Sm100PersistentGroupedGemmKernel.num_tensormaps * TENSORMAP_BYTES
 
+    @staticmethod
+    def tile_count_offset(num_groups: int) -> int:
+        """config.device_tile_count: the byte offset of the tile count (int32) in the workspace, after the rows."""
+        return Sm100PersistentGroupedGemmKernel.tensormap_workspace_bytes(num_groups)
+
+    @staticmethod
+    def launch_options(queue) -> dict:
+        """The launch's options for `queue` (None: the device's legacy default queue; a subclass that launches on
+        another, moe.py's, says how)."""
+        return {}
+
     # -----------------------------------------------------------------------------------------------------
     # Host side: MMA, shared-memory layouts, TMA atoms on placeholder tensors, launch
     # -----------------------------------------------------------------------------------------------------
@@ -1529,6 +1545,11 @@ class Sm100PersistentGroupedGemmKernel:
         num_ctas: cutlass.Int32,
         num_groups: cutlass.Constexpr[int],
     ):
+        self.launch(ptr_table_ptr, size_table_ptr, tensormap_workspace_ptr, num_tiles, num_ctas, num_groups, None)
+
+    @cute.jit
+    def launch(self, ptr_table_ptr: cute.Pointer, size_table_ptr: cute.Pointer, tensormap_workspace_ptr: cute.Pointer,
+               num_tiles: cutlass.Int32, num_ctas: cutlass.Int32, num_groups: cutlass.Constexpr[int], queue):
         cfg = self.config
         # The pointer table is the preparation kernel's: the GEMM reads sizes and descriptors only.
         _, size_table = group_tables(ptr_table_ptr, size_table_ptr, num_groups)
@@ -1564,7 +1585,8 @@ class Sm100PersistentGroupedGemmKernel:
             size_table, tensormaps, num_tiles,
             setup.a_smem_layout_staged, setup.b_smem_layout_staged, setup.sfa_smem_layout_staged,
             setup.sfb_smem_layout_staged, setup.c_smem_layout_staged, setup.epi_tile, setup.ab_stage_bytes,
-        ).launch(grid=(num_ctas, 1, 1), block=(self.threads_per_cta, 1, 1), cluster=(1, 1, 1), use_pdl=cfg.use_pdl)
+        ).launch(grid=(num_ctas, 1, 1), block=(self.threads_per_cta, 1, 1), cluster=(1, 1, 1), use_pdl=cfg.use_pdl,
+                 **self.launch_options(queue))
 
     # -----------------------------------------------------------------------------------------------------
     # Device side: setup shared by all roles, then dispatch on the warp index
@@ -1635,6 +1657,11 @@ class Sm100PersistentGroupedGemmKernel:
             # Everything below reads or writes global memory: the previous grid on the queue (which may
             # have written these inputs, or prepared these descriptors) must be complete and visible.
             cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(cfg.device_tile_count):
+            # written by the preparation kernel before this launch (after the wait above, with PDL)
+            count_addr = tensormaps.iterator.toint() + self.tile_count_offset(cute.size(tensormaps, mode=[0]))
+            num_tiles = cute.make_tensor(cute.make_ptr(cutlass.Int32, count_addr, cute.AddressSpace.gmem, assumed_align=16),
+                                         cute.make_layout(1))[0]
 
         # Swizzled operand buffers on 1024 bytes, the 128-byte swizzle pattern's period.
         # (EPI_TILE_M, EPI_TILE_N, STAGE)
@@ -1918,10 +1945,18 @@ class Sm100PersistentGroupedGemmKernel:
                     descriptors.acquire(group, c_slot)
             c_desc_ptr = descriptors.for_tma(group, c_slot)[0]
 
+            if cutlass.const_expr(cfg.group_alpha):
+                # the L column read as fp32 (moe.py writes an fp32's bits there)
+                alphas = cute.make_tensor(cute.make_ptr(cutlass.Float32, size_table.iterator.toint(), cute.AddressSpace.gmem,
+                                                        assumed_align=16), size_table.layout)
+                alpha = alphas[group, int(SizeColumn.L)]
             num_slices = cute.size(tTR_tAcc.shape, mode=[3])
             for slice_idx in cutlass.range(num_slices):
                 cute.copy(tiled_copy_t2r, tTR_tAcc[(None, None, None, slice_idx)], tTR_rAcc)
-                tRS_rC.store(tiled_copy_r2s.retile(tTR_rAcc).load().to(cfg.c_dtype))
+                if cutlass.const_expr(cfg.group_alpha):
+                    tRS_rC.store((tiled_copy_r2s.retile(tTR_rAcc).load() * alpha).to(cfg.c_dtype))
+                else:
+                    tRS_rC.store(tiled_copy_r2s.retile(tTR_rAcc).load().to(cfg.c_dtype))
                 c_buffer = (num_slices_stored + slice_idx) % self.num_c_stages
                 cute.copy(tiled_copy_r2s, tRS_rC, tRS_sC[(None, None, None, c_buffer)])
                 # The slice is in shared memory and visible to the TMA unit before warp 0 stores it.
