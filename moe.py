@@ -140,6 +140,37 @@ def plan_reference(offs: torch.Tensor, num_tokens: int, n: int, k: int, widths: 
 if HAVE_DSL:
     import submission_sm90 as sm90
 
+    @cute.jit
+    def expert_rows(offs: cutlass.Int64, num_experts: cutlass.Constexpr[int], num_tokens, lane):
+        """(first rows, rows) of lane `lane`'s experts, l * P .. l * P + P - 1 (P = ceil(E / 32)), as two lists: each
+        end of `offs` clamped to [0, T] and to at least the ends before it (`nvfp4_moe_mm`'s rule): a running
+        maximum, lane-local then across the warp (shuffles). Both arches' preparation kernels start with it."""
+        P = ceil_div(num_experts, 32)
+        offs_t = cute.make_tensor(cute.make_ptr(cutlass.Int32, offs, cute.AddressSpace.gmem, assumed_align=4),
+                                  cute.make_layout((num_experts,)))
+        ends = []
+        run = cutlass.Int32(0)
+        for j in cutlass.range_constexpr(P):
+            i = lane * P + j
+            v = cutlass.Int32(0)
+            if i < num_experts:
+                v = offs_t[i]
+            v = cutlass.min(cutlass.max(v, cutlass.Int32(0)), num_tokens)
+            run = cutlass.max(run, v)
+            ends.append(run)
+        incl = run
+        for d in cutlass.range_constexpr(5):
+            below = cute.arch.shuffle_sync(incl, (lane - (1 << d)) & 31)
+            incl = cutlass.max(incl, below * cutlass.Int32(lane >= (1 << d)))
+        prev = cute.arch.shuffle_sync(incl, (lane - 1) & 31) * cutlass.Int32(lane >= 1)
+        starts, counts = [], []
+        for j in cutlass.range_constexpr(P):
+            end = cutlass.max(ends[j], prev)
+            starts.append(prev)
+            counts.append(end - prev)
+            prev = end
+        return starts, counts
+
     class MoePrepareKernel:
         """Per call, before the GEMM on the same queue, one warp per expert e (grid E):
         1. every warp scans `offs` (clamped: `nvfp4_moe_mm`'s rule) and each expert's splits and width
@@ -226,29 +257,13 @@ if HAVE_DSL:
             num_widths = len(self.widths)
             n_tiles = n // 128
 
-            # ---- 1. ends: clamped to [0, T], a running maximum (lane-local, then across lanes)
-            ends = []
-            run = cutlass.Int32(0)
-            for j in cutlass.range_constexpr(P):
-                i = lane * P + j
-                v = cutlass.Int32(0)
-                if i < E:
-                    v = offs_t[i]
-                v = cutlass.min(cutlass.max(v, cutlass.Int32(0)), num_tokens)
-                run = cutlass.max(run, v)
-                ends.append(run)
-            incl = run
-            for d in cutlass.range_constexpr(5):
-                below = cute.arch.shuffle_sync(incl, (lane - (1 << d)) & 31)
-                incl = cutlass.max(incl, below * cutlass.Int32(lane >= (1 << d)))
-            prev = cute.arch.shuffle_sync(incl, (lane - 1) & 31) * cutlass.Int32(lane >= 1)
-            # ---- per expert: rows, the candidate of least total cost (fewest tiles first), and its tiles counted
-            # per width (lane-local runs)
+            # ---- 1. the experts' rows (`expert_rows`), then per expert the candidate of least total cost (fewest
+            # tiles first), and its tiles counted per width (lane-local runs)
+            starts, counts = expert_rows(offs, E, num_tokens, lane)
             runs = [cutlass.Int32(0) for _ in range(num_widths)]
             local = []
             for j in cutlass.range_constexpr(P):
-                end = cutlass.max(ends[j], prev)
-                m = end - prev
+                m = counts[j]
                 best_count = cutlass.Int32(0)
                 best_width = cutlass.Int32(0)
                 best_total = cutlass.Int32(0)
@@ -276,8 +291,7 @@ if HAVE_DSL:
                     on = cutlass.Int32(best_width == x)
                     before = before + runs[x] * on
                     runs[x] = runs[x] + tiles * on
-                local.append((prev, m, best_width | (best_count << 8), before))
-                prev = end
+                local.append((starts[j], m, best_width | (best_count << 8), before))
             # ---- per width: exclusive scan of the lanes' tile counts, and the totals
             bases, totals = [], []
             for x in cutlass.range_constexpr(num_widths):
