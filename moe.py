@@ -65,6 +65,13 @@ def moe_builds() -> dict:
     return {"pairs": moe("sm90_a16_pairs"), "narrow": moe("sm90_a16_narrow"), "wide": moe("sm90_a16_mexact128")}
 
 
+def b200_config(out_dtype) -> "host.Sm100PersistentConfig":
+    """The B200 build: custom_kernel's persistent kernel with 128 x 128 tiles, the tile count from the
+    preparation kernel, alpha in the epilogue, C in `out_dtype`."""
+    c_dtype = cutlass.BFloat16 if out_dtype == torch.bfloat16 else cutlass.Float16
+    return host.Sm100PersistentConfig(c_dtype=c_dtype, device_tile_count=True, group_alpha=True)
+
+
 def choose_build(num_tokens: int, num_experts: int) -> str:
     import submission_sm90 as sm90
 
@@ -375,6 +382,146 @@ if HAVE_DSL:
             self.gemm.prepare_workspace(tensormaps, e)
 
 
+    class MoeSm100Gemm(host.Sm100PersistentGroupedGemmKernel):
+        """B200: the persistent kernel (`Sm100PersistentConfig` with the MoE switches: `device_tile_count`,
+        `group_alpha`, `c_dtype`), launched on a given queue."""
+
+        @staticmethod
+        def launch_options(queue) -> dict:
+            return {} if queue is None else {"stream": queue}
+
+        @cute.jit
+        def on_stream(self, ptr_table_ptr: cute.Pointer, size_table_ptr: cute.Pointer, workspace_ptr: cute.Pointer,
+                      num_tiles: cutlass.Int32, num_ctas: cutlass.Int32, num_groups: cutlass.Constexpr[int],
+                      stream: cuda.CUstream):
+            self.launch(ptr_table_ptr, size_table_ptr, workspace_ptr, num_tiles, num_ctas, num_groups, stream)
+
+    class MoeSm100PrepareKernel:
+        """B200, per call, before the persistent GEMM on the same queue: CTA e (4 warps) for expert e.
+        1. warp 0 scans `offs` (`expert_rows`), each expert's rows rounded up to the blocked scale layout's
+           128-row blocks and its tiles (128-row M tiles x N / tile_n), into shared arrays; CTA 0 writes the tile
+           count after the descriptor rows (`tile_count_offset`), which the GEMM reads instead of a launch argument;
+        2. thread 0 writes expert e's pointer row (A, C at its first row; SFA at its block of `sfa_blocked`; B,
+           SFB at its weight slice) and size row (M, N, K, alpha's bits);
+        3. the CTA copies the expert's rows of `a_scale` (row-major) into `sfa_blocked` in the blocked order the
+           kernel's TMA reads (32-bit words: four k-blocks of one row); rows past M in its last 128-row block stay
+           as they are (they only reach output rows the TMA store clips);
+        4. warp 0 writes expert e's TMA descriptors (`GroupTensormapKernel.write_row`).
+        Launched without programmatic dependent launch, as the Hopper one. Built and SASS-checked for sm_100a; never
+        run (no B200 here)."""
+
+        threads = 128
+
+        def __init__(self, gemm, num_experts: int, n: int, k: int):
+            self.gemm = gemm
+            self.write_row = host.GroupTensormapKernel(gemm).write_row
+            self.num_experts, self.n, self.k = num_experts, n, k
+            self.per_lane = ceil_div(num_experts, 32)
+            self.ptr_words = table_words(num_experts)[0]
+            self.n_tiles = n // gemm.config.mma_tiler_mnk[1]
+            self.count_offset = gemm.tile_count_offset(num_experts)
+
+        @cute.jit
+        def __call__(self, offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64,
+                     sfb: cutlass.Int64, c: cutlass.Int64, alpha: cutlass.Int64, tables: cutlass.Int64,
+                     workspace: cutlass.Int64, sfa_blocked: cutlass.Int64, num_tokens: cutlass.Int32,
+                     stream: cuda.CUstream):
+            E = self.num_experts
+            gmem = cute.AddressSpace.gmem
+            ptr_table = cute.make_tensor(cute.make_ptr(cutlass.Int64, tables, gmem, assumed_align=16),
+                                         cute.make_layout((E, len(PtrColumn)), stride=(len(PtrColumn), 1)))
+            size_table = cute.make_tensor(
+                cute.make_ptr(cutlass.Int32, tables + 8 * self.ptr_words, gmem, assumed_align=16),
+                cute.make_layout((E, len(SizeColumn)), stride=(len(SizeColumn), 1)))
+            tensormaps = descriptor_table(cute.make_ptr(cutlass.Int64, workspace, gmem, assumed_align=TENSORMAP_BYTES),
+                                          E, len(self.gemm.descriptor_slots))
+            self.kernel(self.gemm.descriptor_atoms(), ptr_table, size_table, tensormaps, offs, a, sfa, b, sfb, c,
+                        alpha, workspace, sfa_blocked, num_tokens).launch(grid=(E, 1, 1), block=(self.threads, 1, 1),
+                                                                          stream=stream)
+
+        @cute.kernel
+        def kernel(self, atoms: tuple, ptr_table: cute.Tensor, size_table: cute.Tensor, tensormaps: cute.Tensor,
+                   offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64, sfb: cutlass.Int64,
+                   c: cutlass.Int64, alpha: cutlass.Int64, workspace: cutlass.Int64, sfa_blocked: cutlass.Int64,
+                   num_tokens: cutlass.Int32):
+            E, P = self.num_experts, self.per_lane
+            n, k = self.n, self.k
+            e, _, _ = cute.arch.block_idx()
+            tidx, _, _ = cute.arch.thread_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            lane = cute.arch.lane_idx()
+            slots = self.gemm.descriptor_slots
+
+            @cute.struct
+            class SharedStorage:
+                tensormap_buffer: cute.struct.Align[
+                    cute.struct.MemRange[cutlass.Int64, len(slots) * TENSORMAP_BYTES // 8], TENSORMAP_BYTES]
+                start: cute.struct.MemRange[cutlass.Int32, 32 * P]
+                rows: cute.struct.MemRange[cutlass.Int32, 32 * P]
+                padded_before: cute.struct.MemRange[cutlass.Int32, 32 * P]  # rows of the blocked SFA before it
+
+            storage = SmemAllocator().allocate(SharedStorage)
+            s_start = storage.start.get_tensor(cute.make_layout((32 * P,)))
+            s_rows = storage.rows.get_tensor(cute.make_layout((32 * P,)))
+            s_padded = storage.padded_before.get_tensor(cute.make_layout((32 * P,)))
+
+            # ---- 1. rows, 128-row blocks and tiles per expert; the tile count
+            if warp == 0:
+                starts, counts = expert_rows(offs, E, num_tokens, lane)
+                blocks_run = cutlass.Int32(0)
+                blocks_before = []
+                for j in cutlass.range_constexpr(P):
+                    blocks_before.append(blocks_run)
+                    blocks_run = blocks_run + (counts[j] + 127) // 128
+                incl = blocks_run
+                for d in cutlass.range_constexpr(5):
+                    below = cute.arch.shuffle_sync(incl, (lane - (1 << d)) & 31)
+                    incl = incl + below * cutlass.Int32(lane >= (1 << d))
+                for j in cutlass.range_constexpr(P):
+                    i = lane * P + j
+                    s_start[i] = starts[j]
+                    s_rows[i] = counts[j]
+                    s_padded[i] = 128 * (incl - blocks_run + blocks_before[j])
+                if e == 0 and lane == 31:
+                    sm90.st_global_u32(workspace + self.count_offset, cutlass.Uint32(incl * self.n_tiles))
+            cute.arch.barrier()
+            start = s_start[e]
+            m = s_rows[e]
+            sfa_rows = sfa_blocked + cutlass.Int64(s_padded[e]) * (k // 16)
+
+            # ---- 2. expert e's table rows
+            if tidx == 0:
+                ptr_table[e, int(PtrColumn.A)] = a + cutlass.Int64(start) * (k // 2)
+                ptr_table[e, int(PtrColumn.SFA)] = sfa_rows
+                ptr_table[e, int(PtrColumn.C)] = c + cutlass.Int64(start) * (n * 2)
+                ptr_table[e, int(PtrColumn.B)] = b + cutlass.Int64(e) * (n * k // 2)
+                ptr_table[e, int(PtrColumn.SFB)] = sfb + cutlass.Int64(e) * (n * k // 16)
+                alpha_bits = cutlass.Int32(ALPHA_ONE_BITS)
+                if alpha != 0:
+                    alpha_bits = cutlass.Int32(sm90.ld_global_u32(alpha + 4 * cutlass.Int64(e)))
+                size_table[e, int(SizeColumn.M)] = m
+                size_table[e, int(SizeColumn.N)] = cutlass.Int32(n)
+                size_table[e, int(SizeColumn.K)] = cutlass.Int32(k)
+                size_table[e, int(SizeColumn.L)] = alpha_bits
+
+            # ---- 3. A's scales, row-major -> blocked: word w of row r is k-blocks 4 w .. 4 w + 3
+            words = k // 64
+            src_rows = sfa + cutlass.Int64(start) * (k // 16)
+            for i in cutlass.range(tidx, m * words, self.threads, unroll=1):
+                r = i // words
+                w = i % words
+                word = sm90.ld_global_u32(src_rows + cutlass.Int64(r) * (k // 16) + 4 * w)
+                dst = ((r // 128) * words + w) * 128 + (r % 32) * 4 + (r // 32) % 4
+                sm90.st_global_u32(sfa_rows + 4 * cutlass.Int64(dst), word)
+
+            # ---- 4. expert e's descriptors, from the rows above
+            cute.arch.barrier()
+            buffer = storage.tensormap_buffer.data_ptr()
+            if warp == 0:
+                if m > 0:
+                    self.write_row(atoms, ptr_table, size_table, tensormaps, e, buffer)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Launching with arguments set in place
 # ---------------------------------------------------------------------------------------------------------
@@ -488,10 +635,10 @@ class _MoeLaunch:
 
     tables: torch.Tensor
     workspace: torch.Tensor
-    work: torch.Tensor
+    work: torch.Tensor  # Hopper: the work list; B200: the blocked copy of A's scales
     prepare: CellLauncher
     gemm: CellLauncher
-    fixed: tuple  # the prepare kernel's buffer addresses (tables, workspace, work list)
+    fixed: tuple  # the prepare kernel's buffer addresses (tables, workspace, work list or blocked scales)
     gemm_values: tuple  # the GEMM's arguments but the queue: table, size table, workspace and work-list addresses, 0, grid
 
 
@@ -502,7 +649,16 @@ _launches: dict = {}
 def _compile(kind: str, num_experts: int, n: int, k: int, config, grid: int):
     key = (kind, num_experts, n, k, config, grid)
     fn = _compiled.get(key)
-    if fn is None:
+    if fn is None and isinstance(config, host.Sm100PersistentConfig):
+        gemm = MoeSm100Gemm(config)
+        queue = cuda.CUstream(0)
+        if kind == "prepare":
+            ints = (cutlass.Int64(0),) * 10
+            fn = cute.compile(MoeSm100PrepareKernel(gemm, num_experts, n, k), *ints, cutlass.Int32(1), queue)
+        else:
+            fn = cute.compile(gemm.on_stream, *host.kernel_args((0, 0, 0, 0, 1)), num_experts, queue)
+        _compiled[key] = fn
+    elif fn is None:
         gemm = sm90.Sm90BlockScaledGroupedGemmKernel(num_experts, config)
         queue = cuda.CUstream(0)
         if kind == "prepare":
@@ -522,15 +678,18 @@ def _sm_count(index: int) -> int:
 def _launch_for(device: torch.device, queue: int, num_tokens: int, num_experts: int, n: int, k: int,
                 out_dtype) -> _MoeLaunch:
     bucket = 1 << max(num_tokens - 1, 0).bit_length()
-    build = choose_build(num_tokens, num_experts)
+    major, _ = host._device_capability(device.index)
+    if major not in (9, 10):
+        raise host.UnsupportedDeviceError(f"nvfp4_moe_mm runs on Hopper (sm_90) and B200 (sm_100) GPUs; this GPU is "
+                                          f"sm_{major}x")
+    build = choose_build(num_tokens, num_experts) if major == 9 else "b200"
     key = (device.index, queue, num_experts, n, k, bucket, build, out_dtype)
     launch = _launches.get(key)
     if launch is not None:
         return launch
-    major, _ = host._device_capability(device.index)
-    if major != 9:
-        raise host.UnsupportedDeviceError(f"nvfp4_moe_mm runs on Hopper (sm_90) GPUs for now; this GPU is sm_{major}x "
-                                          "(docs/MOE_ENTRY.md: the B200 path is not built yet)")
+    if major == 10:
+        launch = _launches[key] = _b200_launch(device, num_experts, n, k, bucket, out_dtype)
+        return launch
     config = dataclasses.replace(moe_builds()[build], bf16_out=out_dtype == torch.bfloat16)
     grid = _sm_count(device.index)
     kernel = sm90.Sm90BlockScaledGroupedGemmKernel
@@ -563,6 +722,27 @@ def _signature(a, a_scale, b, b_scale, offs, alpha, out) -> tuple:
 
 
 _signatures: dict = {}  # `_signature` -> its _MoeLaunch, or the checks' result for an empty T
+
+
+def _b200_launch(device: torch.device, num_experts: int, n: int, k: int, bucket: int, out_dtype) -> _MoeLaunch:
+    """B200's buffers and launchers (built and SASS-checked for sm_100a; never run: no B200 here). The third
+    buffer is the blocked copy of A's scales: each expert's rows rounded up to 128, at most T + 127 E rows."""
+    config = b200_config(out_dtype)
+    grid = _sm_count(device.index)
+    ptr_words, words = table_words(num_experts)
+    with torch.cuda.device(device):
+        tables = torch.empty(words, dtype=torch.int64, device=device)
+        workspace = host.aligned_device_buffer(MoeSm100Gemm.tile_count_offset(num_experts) + 128, 1024, device)
+        sfa_blocked = host.aligned_device_buffer((bucket + 127 * num_experts) * (k // 16) + 1024, 1024, device)
+        prepare = CellLauncher(_compile("prepare", num_experts, n, k, config, grid),
+                               (*(cutlass.Int64(0),) * 10, cutlass.Int32(1), cuda.CUstream(0)),
+                               (ctypes.c_int64,) * 10 + (ctypes.c_int32, ctypes.c_void_p), device.index)
+        gemm_values = (tables.data_ptr(), tables.data_ptr() + 8 * ptr_words, workspace.data_ptr(), 0, grid)
+        gemm = CellLauncher(_compile("gemm", num_experts, n, k, config, grid),
+                            (*host.kernel_args(gemm_values), cuda.CUstream(0)),
+                            (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2 + (ctypes.c_void_p,), device.index)
+    return _MoeLaunch(tables, workspace, sfa_blocked, prepare, gemm,
+                      (tables.data_ptr(), workspace.data_ptr(), sfa_blocked.data_ptr()), gemm_values)
 
 
 def _moe_mm_into(a, a_scale, b, b_scale, offs, alpha, out) -> None:

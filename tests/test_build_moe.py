@@ -1,7 +1,10 @@
-"""The MoE entry's kernels (moe.py) build for sm_90a without a GPU, on every DSL version CI installs: the per-call
-preparation kernel and the GEMM of each build the entry picks, with the MoE switches (row-major A scales, alpha,
-bf16 out), and their SASS is sane: the GEMM's wgmma waits pipelined and no local memory in either; the
-preparation kernel writes its work-list parts with 128-bit stores and makes no wgmma."""
+"""The MoE entry's kernels (moe.py) build without a GPU, on every DSL version CI installs, and their SASS is sane.
+sm_90a: the per-call preparation kernel and the GEMM of each build the entry picks, with the MoE switches
+(row-major A scales, alpha, bf16 out): the GEMM's wgmma waits pipelined and no local memory in either; the
+preparation kernel writes its work-list parts with 128-bit stores and makes no wgmma. sm_100a (never run: no
+B200 here): the preparation kernel (tables, blocked A scales, descriptors, the tile count) and the persistent
+kernel with the MoE switches: block-scaled tcgen05 MMAs, TMA loads and stores, alpha's multiplies, bf16
+conversions where C is bf16, no local memory."""
 import importlib.util
 import json
 import os
@@ -23,14 +26,18 @@ _SCRIPT = r"""
 import dataclasses, json, sys
 sys.path.insert(0, sys.argv[1])
 import moe
+import torch
 experts, n, k, build, bf16 = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6] == "1"
-config = dataclasses.replace(moe.moe_builds()[build], bf16_out=bf16)
+if build == "b200":
+    config = moe.b200_config(torch.bfloat16 if bf16 else torch.float16)
+else:
+    config = dataclasses.replace(moe.moe_builds()[build], bf16_out=bf16)
 try:
     moe._compile(sys.argv[7], experts, n, k, config, 132)
 except Exception as err:  # 4.3.x without a driver: the cubin is written, then loading it fails
     if "CudaDriverDependencyError" not in repr(err) and "CUDA Driver Dependency" not in str(err):
         raise
-print("MOE_BUILT " + json.dumps(config.widths))
+print("MOE_BUILT " + json.dumps(getattr(config, "widths", ())))
 """
 
 
@@ -60,3 +67,28 @@ def test_moe_kernels_build_for_sm90a(tmp_path, experts, n, k, build, bf16):
     assert "STG.E.128" in prepare and "LDL" not in prepare and "STL" not in prepare
     # one mainloop per tile width (the GEMM's `consume_tile` per width of the build)
     assert len(widths) >= 1 and ("F2FP.BF16" in gemm) == bf16
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp16"])
+def test_moe_kernels_build_for_sm100a(tmp_path, bf16):
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_100a", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP="cubin",
+               CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_DISABLE_FILE_CACHING="1")
+    print("building the MoE entry's B200 kernels for sm_100a: E=256 N=512 K=1024", flush=True)
+    for kind in ("prepare", "gemm"):
+        proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(ROOT), "256", "512", "1024", "b200",
+                               "1" if bf16 else "0", kind], env=env, capture_output=True, text=True, timeout=1800)
+        assert "MOE_BUILT" in proc.stdout, proc.stderr[-3000:]
+
+    def sass_of(name):
+        cubins = sorted(tmp_path.rglob(f"*{name}*.cubin"))
+        assert cubins, list(tmp_path.rglob("*"))
+        return subprocess.run([ev.find_cuobjdump(), "-sass", str(cubins[-1])], capture_output=True, text=True).stdout
+
+    prepare, gemm = sass_of("MoeSm100PrepareKernel"), sass_of("MoeSm100Gemm")
+    counts, prep = ev.count_sass(gemm), ev.count_sass(prepare)
+    assert counts["UTCOMMA"] + counts["UTCQMMA"] > 0 and counts["UTMALDG"] > 0 and counts["UTMASTG"] > 0
+    assert counts["LDL"] == 0 and counts["STL"] == 0 and prep["LDL"] == 0 and prep["STL"] == 0
+    assert "FMUL" in gemm  # alpha
+    assert ("F2FP.BF16" in gemm) == bf16
+    # the preparation kernel: its table rows (64-bit stores), the scale words, no MMA
+    assert "STG.E.64" in prepare and "LDG.E" in prepare and "UTCOMMA" not in prepare

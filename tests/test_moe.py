@@ -145,11 +145,11 @@ def test_builds_follow_rows_per_expert():
         assert config.sfa_row_major and config.group_alpha and not config.split_k
 
 
-def test_a_b200_is_refused_in_one_line(monkeypatch):
-    """The entry has no B200 path yet: it says so before building or allocating anything."""
+def test_another_gpu_is_refused_in_one_line(monkeypatch):
+    """Hopper and B200 have kernels; any other GPU is told so before anything is built or allocated."""
     import submission
 
-    monkeypatch.setattr(submission, "_device_capability", lambda index: (10, 0))
-    with pytest.raises(submission.UnsupportedDeviceError, match="runs on Hopper .sm_90. GPUs for now; this GPU is sm_10x"):
+    monkeypatch.setattr(submission, "_device_capability", lambda index: (8, 0))
+    with pytest.raises(submission.UnsupportedDeviceError, match="Hopper .sm_90. and B200 .sm_100. GPUs; this GPU is sm_8x"):
         moe._launch_for(torch.device("cuda", 0), 0, 64, 8, 256, 512, torch.bfloat16)
     assert not moe._launches
