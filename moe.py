@@ -372,7 +372,8 @@ if HAVE_DSL:
                 if lane == 0:
                     sm90.st_global_u32(work, cutlass.Uint32(0))
                 for cta in cutlass.range(lane, self.grid + 1, 32, unroll=1):
-                    sm90.st_global_u32(work + 4 * (1 + cutlass.Int64(cta)), cutlass.Uint32(self.cta_offset(cta, laps, rest)))
+                    offset = cutlass.Uint32(self.cta_offset(cta, laps, rest))
+                    sm90.st_global_u32(work + 4 * (1 + cutlass.Int64(cta)), offset)
 
             # ---- 4. expert e's descriptors (from the rows just written) and the workspace reset
             cute.arch.barrier()
@@ -400,7 +401,7 @@ if HAVE_DSL:
         """B200, per call, before the persistent GEMM on the same queue: CTA e (4 warps) for expert e.
         1. warp 0 scans `offs` (`expert_rows`), each expert's rows rounded up to the blocked scale layout's
            128-row blocks and its tiles (128-row M tiles x N / tile_n), into shared arrays; CTA 0 writes the tile
-           count after the descriptor rows (`tile_count_offset`), which the GEMM reads instead of a launch argument;
+           count after the descriptor rows, which the GEMM reads instead of a launch argument;
         2. thread 0 writes expert e's pointer row (A, C at its first row; SFA at its block of `sfa_blocked`; B,
            SFB at its weight slice) and size row (M, N, K, alpha's bits);
         3. the CTA copies the expert's rows of `a_scale` (row-major) into `sfa_blocked` in the blocked order the
@@ -419,7 +420,7 @@ if HAVE_DSL:
             self.per_lane = ceil_div(num_experts, 32)
             self.ptr_words = table_words(num_experts)[0]
             self.n_tiles = n // gemm.config.mma_tiler_mnk[1]
-            self.count_offset = gemm.tile_count_offset(num_experts)
+            self.count_offset = gemm.tensormap_workspace_bytes(num_experts)  # the tile count's int32
 
         @cute.jit
         def __call__(self, offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64,
@@ -639,7 +640,7 @@ class _MoeLaunch:
     prepare: CellLauncher
     gemm: CellLauncher
     fixed: tuple  # the prepare kernel's buffer addresses (tables, workspace, work list or blocked scales)
-    gemm_values: tuple  # the GEMM's arguments but the queue: table, size table, workspace and work-list addresses, 0, grid
+    gemm_values: tuple  # the GEMM's arguments but the queue: the buffers' addresses, 0, grid
 
 
 _compiled: dict = {}
@@ -732,7 +733,7 @@ def _b200_launch(device: torch.device, num_experts: int, n: int, k: int, bucket:
     ptr_words, words = table_words(num_experts)
     with torch.cuda.device(device):
         tables = torch.empty(words, dtype=torch.int64, device=device)
-        workspace = host.aligned_device_buffer(MoeSm100Gemm.tile_count_offset(num_experts) + 128, 1024, device)
+        workspace = host.aligned_device_buffer(MoeSm100Gemm.tensormap_workspace_bytes(num_experts) + 128, 1024, device)
         sfa_blocked = host.aligned_device_buffer((bucket + 127 * num_experts) * (k // 16) + 1024, 1024, device)
         prepare = CellLauncher(_compile("prepare", num_experts, n, k, config, grid),
                                (*(cutlass.Int64(0),) * 10, cutlass.Int32(1), cuda.CUstream(0)),

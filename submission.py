@@ -199,9 +199,8 @@ class Sm100PersistentConfig(Sm100TileConfig):
     smem_header_bytes: int = 1024
     # Programmatic dependent launch (USE_PDL).
     use_pdl: bool = USE_PDL
-    # The MoE entry's switches (moe.py; custom_kernel's builds leave them off): the tile count read from the word
-    # after the descriptor rows (`tile_count_offset`, written on the GPU) instead of the launch argument, and
-    # each group's output scaled by the fp32 in its size row's L column.
+    # The MoE entry's switches (moe.py; custom_kernel's leaves them off): the tile count from the int32 after the
+    # descriptor rows (written on the GPU), not the launch's; each group's C times the fp32 in its size row's L.
     device_tile_count: bool = False
     group_alpha: bool = False
 
@@ -1469,14 +1468,8 @@ class Sm100PersistentGroupedGemmKernel:
         return num_groups * Sm100PersistentGroupedGemmKernel.num_tensormaps * TENSORMAP_BYTES
 
     @staticmethod
-    def tile_count_offset(num_groups: int) -> int:
-        """config.device_tile_count: the byte offset of the tile count (int32) in the workspace, after the rows."""
-        return Sm100PersistentGroupedGemmKernel.tensormap_workspace_bytes(num_groups)
-
-    @staticmethod
     def launch_options(queue) -> dict:
-        """The launch's options for `queue` (None: the device's legacy default queue; a subclass that launches on
-        another, moe.py's, says how)."""
+        """The launch's options for `queue` (None: the legacy default queue; moe.py's subclass names others)."""
         return {}
 
     # -----------------------------------------------------------------------------------------------------
@@ -1657,10 +1650,9 @@ class Sm100PersistentGroupedGemmKernel:
             # Everything below reads or writes global memory: the previous grid on the queue (which may
             # have written these inputs, or prepared these descriptors) must be complete and visible.
             cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(cfg.device_tile_count):
-            # written by the preparation kernel before this launch (after the wait above, with PDL)
-            count_addr = tensormaps.iterator.toint() + self.tile_count_offset(cute.size(tensormaps, mode=[0]))
-            num_tiles = cute.make_tensor(cute.make_ptr(cutlass.Int32, count_addr, cute.AddressSpace.gmem, assumed_align=16),
+        if cutlass.const_expr(cfg.device_tile_count):  # written by the launch before (the wait above, with PDL)
+            count = tensormaps.iterator.toint() + self.tensormap_workspace_bytes(cute.size(tensormaps, mode=[0]))
+            num_tiles = cute.make_tensor(cute.make_ptr(cutlass.Int32, count, cute.AddressSpace.gmem, assumed_align=16),
                                          cute.make_layout(1))[0]
 
         # Swizzled operand buffers on 1024 bytes, the 128-byte swizzle pattern's period.
@@ -1945,18 +1937,17 @@ class Sm100PersistentGroupedGemmKernel:
                     descriptors.acquire(group, c_slot)
             c_desc_ptr = descriptors.for_tma(group, c_slot)[0]
 
-            if cutlass.const_expr(cfg.group_alpha):
-                # the L column read as fp32 (moe.py writes an fp32's bits there)
-                alphas = cute.make_tensor(cute.make_ptr(cutlass.Float32, size_table.iterator.toint(), cute.AddressSpace.gmem,
-                                                        assumed_align=16), size_table.layout)
-                alpha = alphas[group, int(SizeColumn.L)]
+            if cutlass.const_expr(cfg.group_alpha):  # the size row's L column read as an fp32
+                alpha = cute.make_tensor(cute.make_ptr(cutlass.Float32, size_table.iterator.toint(),
+                                                       cute.AddressSpace.gmem, assumed_align=16),
+                                         size_table.layout)[group, int(SizeColumn.L)]
             num_slices = cute.size(tTR_tAcc.shape, mode=[3])
             for slice_idx in cutlass.range(num_slices):
                 cute.copy(tiled_copy_t2r, tTR_tAcc[(None, None, None, slice_idx)], tTR_rAcc)
+                acc = tiled_copy_r2s.retile(tTR_rAcc).load()
                 if cutlass.const_expr(cfg.group_alpha):
-                    tRS_rC.store((tiled_copy_r2s.retile(tTR_rAcc).load() * alpha).to(cfg.c_dtype))
-                else:
-                    tRS_rC.store(tiled_copy_r2s.retile(tTR_rAcc).load().to(cfg.c_dtype))
+                    acc = acc * alpha
+                tRS_rC.store(acc.to(cfg.c_dtype))
                 c_buffer = (num_slices_stored + slice_idx) % self.num_c_stages
                 cute.copy(tiled_copy_r2s, tRS_rC, tRS_sC[(None, None, None, c_buffer)])
                 # The slice is in shared memory and visible to the TMA unit before warp 0 stores it.
