@@ -9,7 +9,8 @@
 - `offs` int32 [E] on the GPU: cumulative ends of the experts' rows; `alpha` fp32 [E] (optional): each expert's
   global scale, applied in the epilogue; `out` [T, N] fp16 or bf16 (optional; else made, `out_dtype`).
 
-One call is two launches on torch's current CUDA queue and no host work that reads the routing or grows with E:
+One call is two launches on torch's current CUDA queue and no host work that reads the routing or grows with E
+(Hopper):
 - `MoePrepareKernel` (one CTA per expert) turns `offs` into the pointer and size tables, the M-exact kernel's work
   list (each expert's tile width by the host planner's rule, `_sm90_bulk_plan`, the tiles widest first dealt in
   snake order to a fixed grid of SM-count CTAs) and the experts' TMA descriptors;
@@ -25,7 +26,9 @@ Bad `offs` never read or write out of bounds: each end is clamped to [0, T] and 
 (a running maximum), so a decreasing entry makes its expert empty and rows past T belong to no expert. Rows of
 `out` that no expert covers (after the last end) are not written, as torch._grouped_mm leaves them.
 
-Hopper (sm_90a) only for now: on a B200 the call raises (docs/MOE_ENTRY.md says what the B200 path needs).
+On a B200 (sm_100a) the same call runs `MoeSm100PrepareKernel` (the tables, A's scales re-laid out blocked per
+expert, the descriptors, the tile count) and custom_kernel's persistent kernel with the MoE switches; that path
+is built and SASS-checked on every DSL version but has never run (no B200 here). Other GPUs: UnsupportedDeviceError.
 """
 import ctypes
 import dataclasses
