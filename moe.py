@@ -84,6 +84,14 @@ def choose_build(num_tokens: int, num_experts: int) -> str:
     return "narrow" if mean <= 64 else "wide"
 
 
+def blocked_scale_word(row, word, words_per_row):
+    """Where word `word` of row `row` of a [rows, K / 16] scale matrix (its k-blocks 4 word .. 4 word + 3) sits in
+    the blocked layout (`reference.to_blocked`), counted in 32-bit words: 512-byte atoms of 128 rows x 4 k-blocks,
+    `words_per_row` = K / 64 atoms per 128 rows, row r at byte (r % 32) * 16 + ((r // 32) % 4) * 4 of its atom.
+    Plain arithmetic: the B200 preparation kernel calls it on device integers, the tests on Python's."""
+    return ((row // 128) * words_per_row + word) * 128 + (row % 32) * 4 + (row // 32) % 4
+
+
 def tile_cost(width: int, k: int) -> int:
     """`sm90_tile_cost` in integers (its constants are integers)."""
     import submission_sm90 as sm90
@@ -515,8 +523,7 @@ if HAVE_DSL:
                 r = i // words
                 w = i % words
                 word = sm90.ld_global_u32(src_rows + cutlass.Int64(r) * (k // 16) + 4 * w)
-                dst = ((r // 128) * words + w) * 128 + (r % 32) * 4 + (r // 32) % 4
-                sm90.st_global_u32(sfa_rows + 4 * cutlass.Int64(dst), word)
+                sm90.st_global_u32(sfa_rows + 4 * cutlass.Int64(blocked_scale_word(r, w, words)), word)
 
             # ---- 4. expert e's descriptors, from the rows above
             cute.arch.barrier()

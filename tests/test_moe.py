@@ -153,3 +153,18 @@ def test_another_gpu_is_refused_in_one_line(monkeypatch):
     with pytest.raises(submission.UnsupportedDeviceError, match="Hopper .sm_90. and B200 .sm_100. GPUs; this GPU is sm_8x"):
         moe._launch_for(torch.device("cuda", 0), 0, 64, 8, 256, 512, torch.bfloat16)
     assert not moe._launches
+
+
+@pytest.mark.parametrize("rows, k", [(1, 256), (127, 512), (128, 256), (129, 1024), (300, 768)])
+def test_b200_scale_relayout_is_the_blocked_layout(rows, k):
+    """The B200 preparation kernel's copy of A's scales (`blocked_scale_word`, the kernel's own arithmetic) puts
+    every 32-bit word where reference.to_blocked puts its four bytes (its padding rows are zeros, as `got`'s)."""
+    scales = torch.randint(0, 256, (rows, k // 16), dtype=torch.uint8)
+    words = k // 64
+    expected = reference.to_blocked(scales).view(torch.int32)
+    got = torch.zeros_like(expected)
+    source = scales.view(torch.int32)  # [rows, K / 64]: word w = k-blocks 4 w .. 4 w + 3 of its row
+    for r in range(rows):
+        for w in range(words):
+            got[moe.blocked_scale_word(r, w, words)] = source[r, w]
+    assert torch.equal(got, expected)
