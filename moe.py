@@ -189,6 +189,39 @@ if HAVE_DSL:
             prev = end
         return starts, counts
 
+    def prepared_tables(tables, workspace, num_experts: int, slots: int) -> tuple:
+        """The pointer table, size table and descriptor rows a preparation kernel writes (host side of its jit
+        function): `tables` holds the first two (`table_words`), `workspace` starts with the third."""
+        gmem = cute.AddressSpace.gmem
+        ptr_words = table_words(num_experts)[0]
+        ptr_table = cute.make_tensor(cute.make_ptr(cutlass.Int64, tables, gmem, assumed_align=16),
+                                     cute.make_layout((num_experts, len(PtrColumn)), stride=(len(PtrColumn), 1)))
+        size_table = cute.make_tensor(cute.make_ptr(cutlass.Int32, tables + 8 * ptr_words, gmem, assumed_align=16),
+                                      cute.make_layout((num_experts, len(SizeColumn)), stride=(len(SizeColumn), 1)))
+        tensormaps = descriptor_table(cute.make_ptr(cutlass.Int64, workspace, gmem, assumed_align=TENSORMAP_BYTES),
+                                      num_experts, slots)
+        return ptr_table, size_table, tensormaps
+
+    @cute.jit
+    def write_expert_rows(ptr_table: cute.Tensor, size_table: cute.Tensor, e, start, m, addresses: tuple,
+                          n: cutlass.Constexpr[int], k: cutlass.Constexpr[int]):
+        """Expert e's pointer row (A and C at its first row `start`, its SFA as given, B and SFB at its weight
+        slice) and size row (M, N, K, alpha's bits: 1.0 where there is no alpha). addresses: (a, its SFA, b, sfb,
+        c, alpha or 0)."""
+        a, sfa, b, sfb, c, alpha = addresses
+        ptr_table[e, int(PtrColumn.A)] = a + cutlass.Int64(start) * (k // 2)
+        ptr_table[e, int(PtrColumn.SFA)] = sfa
+        ptr_table[e, int(PtrColumn.C)] = c + cutlass.Int64(start) * (n * 2)
+        ptr_table[e, int(PtrColumn.B)] = b + cutlass.Int64(e) * (n * k // 2)
+        ptr_table[e, int(PtrColumn.SFB)] = sfb + cutlass.Int64(e) * (n * k // 16)
+        alpha_bits = cutlass.Int32(ALPHA_ONE_BITS)
+        if alpha != 0:
+            alpha_bits = cutlass.Int32(sm90.ld_global_u32(alpha + 4 * cutlass.Int64(e)))
+        size_table[e, int(SizeColumn.M)] = m
+        size_table[e, int(SizeColumn.N)] = cutlass.Int32(n)
+        size_table[e, int(SizeColumn.K)] = cutlass.Int32(k)
+        size_table[e, int(SizeColumn.L)] = alpha_bits
+
     class MoePrepareKernel:
         """Per call, before the GEMM on the same queue, one warp per expert e (grid E):
         1. every warp scans `offs` (clamped: `nvfp4_moe_mm`'s rule) and each expert's splits and width
@@ -226,7 +259,6 @@ if HAVE_DSL:
             self.n, self.k, self.grid = n, k, grid
             self.widths = gemm.widths
             self.per_lane = ceil_div(num_experts, 32)
-            self.ptr_words = table_words(num_experts)[0]
             self.header_words = header_words(grid)
             self.costs = tuple(tile_cost(w, k) for w in self.widths)
 
@@ -235,14 +267,7 @@ if HAVE_DSL:
                      sfb: cutlass.Int64, c: cutlass.Int64, alpha: cutlass.Int64, tables: cutlass.Int64,
                      workspace: cutlass.Int64, work: cutlass.Int64, num_tokens: cutlass.Int32, stream: cuda.CUstream):
             E = self.num_experts
-            gmem = cute.AddressSpace.gmem
-            ptr_table = cute.make_tensor(cute.make_ptr(cutlass.Int64, tables, gmem, assumed_align=16),
-                                         cute.make_layout((E, len(PtrColumn)), stride=(len(PtrColumn), 1)))
-            size_table = cute.make_tensor(
-                cute.make_ptr(cutlass.Int32, tables + 8 * self.ptr_words, gmem, assumed_align=16),
-                cute.make_layout((E, len(SizeColumn)), stride=(len(SizeColumn), 1)))
-            tensormaps = descriptor_table(cute.make_ptr(cutlass.Int64, workspace, gmem, assumed_align=TENSORMAP_BYTES),
-                                          E, len(self.gemm.descriptor_slots))
+            ptr_table, size_table, tensormaps = prepared_tables(tables, workspace, E, len(self.gemm.descriptor_slots))
             self.kernel(self.gemm.descriptor_atoms(), ptr_table, size_table, tensormaps, offs, a, sfa, b, sfb, c,
                         alpha, work, num_tokens).launch(grid=(E, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
@@ -343,18 +368,8 @@ if HAVE_DSL:
             wi = choice & 0xFF
             count = choice >> 8
             if lane == 0:
-                ptr_table[e, int(PtrColumn.A)] = a + cutlass.Int64(start) * (k // 2)
-                ptr_table[e, int(PtrColumn.SFA)] = sfa + cutlass.Int64(start) * (k // 16)
-                ptr_table[e, int(PtrColumn.C)] = c + cutlass.Int64(start) * (n * 2)
-                ptr_table[e, int(PtrColumn.B)] = b + cutlass.Int64(e) * (n * k // 2)
-                ptr_table[e, int(PtrColumn.SFB)] = sfb + cutlass.Int64(e) * (n * k // 16)
-                alpha_bits = cutlass.Int32(ALPHA_ONE_BITS)
-                if alpha != 0:
-                    alpha_bits = cutlass.Int32(sm90.ld_global_u32(alpha + 4 * cutlass.Int64(e)))
-                size_table[e, int(SizeColumn.M)] = m
-                size_table[e, int(SizeColumn.N)] = cutlass.Int32(n)
-                size_table[e, int(SizeColumn.K)] = cutlass.Int32(k)
-                size_table[e, int(SizeColumn.L)] = alpha_bits
+                write_expert_rows(ptr_table, size_table, e, start, m, (a, sfa + cutlass.Int64(start) * (k // 16), b, sfb,
+                                                                      c, alpha), n, k)
             # this expert's first position in the sequence: the tiles of wider widths, then those of its width in
             # earlier experts
             width = cutlass.Int32(self.widths[0])
@@ -429,7 +444,6 @@ if HAVE_DSL:
             self.write_row = host.GroupTensormapKernel(gemm).write_row
             self.num_experts, self.n, self.k = num_experts, n, k
             self.per_lane = ceil_div(num_experts, 32)
-            self.ptr_words = table_words(num_experts)[0]
             self.n_tiles = n // gemm.config.mma_tiler_mnk[1]
             self.count_offset = gemm.tensormap_workspace_bytes(num_experts)  # the tile count's int32
 
@@ -439,14 +453,7 @@ if HAVE_DSL:
                      workspace: cutlass.Int64, sfa_blocked: cutlass.Int64, num_tokens: cutlass.Int32,
                      stream: cuda.CUstream):
             E = self.num_experts
-            gmem = cute.AddressSpace.gmem
-            ptr_table = cute.make_tensor(cute.make_ptr(cutlass.Int64, tables, gmem, assumed_align=16),
-                                         cute.make_layout((E, len(PtrColumn)), stride=(len(PtrColumn), 1)))
-            size_table = cute.make_tensor(
-                cute.make_ptr(cutlass.Int32, tables + 8 * self.ptr_words, gmem, assumed_align=16),
-                cute.make_layout((E, len(SizeColumn)), stride=(len(SizeColumn), 1)))
-            tensormaps = descriptor_table(cute.make_ptr(cutlass.Int64, workspace, gmem, assumed_align=TENSORMAP_BYTES),
-                                          E, len(self.gemm.descriptor_slots))
+            ptr_table, size_table, tensormaps = prepared_tables(tables, workspace, E, len(self.gemm.descriptor_slots))
             self.kernel(self.gemm.descriptor_atoms(), ptr_table, size_table, tensormaps, offs, a, sfa, b, sfb, c,
                         alpha, workspace, sfa_blocked, num_tokens).launch(grid=(E, 1, 1), block=(self.threads, 1, 1),
                                                                           stream=stream)
@@ -503,18 +510,7 @@ if HAVE_DSL:
 
             # ---- 2. expert e's table rows
             if tidx == 0:
-                ptr_table[e, int(PtrColumn.A)] = a + cutlass.Int64(start) * (k // 2)
-                ptr_table[e, int(PtrColumn.SFA)] = sfa_rows
-                ptr_table[e, int(PtrColumn.C)] = c + cutlass.Int64(start) * (n * 2)
-                ptr_table[e, int(PtrColumn.B)] = b + cutlass.Int64(e) * (n * k // 2)
-                ptr_table[e, int(PtrColumn.SFB)] = sfb + cutlass.Int64(e) * (n * k // 16)
-                alpha_bits = cutlass.Int32(ALPHA_ONE_BITS)
-                if alpha != 0:
-                    alpha_bits = cutlass.Int32(sm90.ld_global_u32(alpha + 4 * cutlass.Int64(e)))
-                size_table[e, int(SizeColumn.M)] = m
-                size_table[e, int(SizeColumn.N)] = cutlass.Int32(n)
-                size_table[e, int(SizeColumn.K)] = cutlass.Int32(k)
-                size_table[e, int(SizeColumn.L)] = alpha_bits
+                write_expert_rows(ptr_table, size_table, e, start, m, (a, sfa_rows, b, sfb, c, alpha), n, k)
 
             # ---- 3. A's scales, row-major -> blocked: word w of row r is k-blocks 4 w .. 4 w + 3
             words = k // 64
