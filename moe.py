@@ -37,17 +37,14 @@ from typing import Optional
 
 import torch
 
-import submission as host
-from submission import PtrColumn, SizeColumn, TENSORMAP_BYTES, ceil_div, descriptor_table, table_words
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass.utils import SmemAllocator
 
-try:
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.utils import SmemAllocator
-    HAVE_DSL = True
-except ImportError:  # pragma: no cover - the CPU tests of the planner's rule run without the DSL
-    HAVE_DSL = False
+import submission as host
+import submission_sm90 as sm90
+from submission import PtrColumn, SizeColumn, TENSORMAP_BYTES, ceil_div, descriptor_table, table_words
 
 # ---------------------------------------------------------------------------------------------------------
 # The schedule's rule (what MoePrepareKernel computes on the GPU; `plan_reference` is its torch mirror)
@@ -60,8 +57,6 @@ def moe_builds() -> dict:
     """The Hopper builds the entry picks from, by the mean rows per expert T / E (a shape, never the routing):
     the consumer-pairs build (widths 16-32) for a few tokens per expert, as custom_kernel's `sm90_auto` picks
     it (`SM90_NARROW_MEAN_ROWS`); widths 16-128 up to 64 rows per expert; widths 64-128 above."""
-    import submission_sm90 as sm90
-
     def moe(name: str):
         return dataclasses.replace(sm90.SM90_VARIANT_CONFIGS[name], sfa_row_major=True, group_alpha=True,
                                    split_k=False)
@@ -76,8 +71,6 @@ def b200_config(out_dtype) -> "host.Sm100PersistentConfig":
 
 
 def choose_build(num_tokens: int, num_experts: int) -> str:
-    import submission_sm90 as sm90
-
     mean = num_tokens / max(num_experts, 1)
     if mean <= sm90.SM90_NARROW_MEAN_ROWS:
         return "pairs"
@@ -92,13 +85,6 @@ def blocked_scale_word(row, word, words_per_row):
     return ((row // 128) * words_per_row + word) * 128 + (row % 32) * 4 + (row // 32) % 4
 
 
-def tile_cost(width: int, k: int) -> int:
-    """`sm90_tile_cost` in integers (its constants are integers)."""
-    import submission_sm90 as sm90
-
-    return (k // 128) * max(width + sm90.SM90_CHUNK_OVERHEAD_ROWS, sm90.SM90_CHUNK_FLOOR) + sm90.SM90_TILE_OVERHEAD
-
-
 def max_parts(num_tokens: int, num_experts: int, n: int, widths: tuple) -> int:
     """Parts the work list can hold for T tokens, whatever the routing: an expert of M rows takes at most
     ceil(M / narrowest) splits, so sum_e ceil(M_e / w0) <= T / w0 + E, times the N tiles."""
@@ -107,8 +93,6 @@ def max_parts(num_tokens: int, num_experts: int, n: int, widths: tuple) -> int:
 
 def header_words(grid: int) -> int:
     """The work list's header: the partials' offset and grid + 1 part offsets, in whole 8-word rows."""
-    import submission_sm90 as sm90
-
     return sm90.SM90_PART_WORDS * ceil_div(grid + 2, sm90.SM90_PART_WORDS)
 
 
@@ -124,7 +108,7 @@ def plan_reference(offs: torch.Tensor, num_tokens: int, n: int, k: int, widths: 
     # candidates, fewest tiles first (the widest cap first): count and the narrowest width covering M
     count = ((m[:, None] + w - 1) // w).flip(1)
     width_index = (w * count[:, :, None] >= m[:, None, None]).int().argmax(-1)
-    cost_of = torch.tensor([tile_cost(x, k) for x in widths], dtype=torch.int64)
+    cost_of = torch.tensor([sm90.sm90_tile_cost(x, k) for x in widths], dtype=torch.int64)
     cost = cost_of[width_index]
     pick = (count * cost).argmin(1, keepdim=True)  # first of equal totals: fewest tiles
     splits, width_index, cost = (t.gather(1, pick)[:, 0] for t in (count, width_index, cost))
@@ -155,378 +139,375 @@ def plan_reference(offs: torch.Tensor, num_tokens: int, n: int, k: int, widths: 
 # ---------------------------------------------------------------------------------------------------------
 # The per-call preparation kernel
 # ---------------------------------------------------------------------------------------------------------
-if HAVE_DSL:
-    import submission_sm90 as sm90
+@cute.jit
+def expert_rows(offs: cutlass.Int64, num_experts: cutlass.Constexpr[int], num_tokens, lane):
+    """(first rows, rows) of lane `lane`'s experts, l * P .. l * P + P - 1 (P = ceil(E / 32)), as two lists: each
+    end of `offs` clamped to [0, T] and to at least the ends before it (`nvfp4_moe_mm`'s rule): a running
+    maximum, lane-local then across the warp (shuffles). Both arches' preparation kernels start with it."""
+    P = ceil_div(num_experts, 32)
+    offs_t = cute.make_tensor(cute.make_ptr(cutlass.Int32, offs, cute.AddressSpace.gmem, assumed_align=4),
+                              cute.make_layout((num_experts,)))
+    ends = []
+    run = cutlass.Int32(0)
+    for j in cutlass.range_constexpr(P):
+        i = lane * P + j
+        v = cutlass.Int32(0)
+        if i < num_experts:
+            v = offs_t[i]
+        v = cutlass.min(cutlass.max(v, cutlass.Int32(0)), num_tokens)
+        run = cutlass.max(run, v)
+        ends.append(run)
+    incl = run
+    for d in cutlass.range_constexpr(5):
+        below = cute.arch.shuffle_sync(incl, (lane - (1 << d)) & 31)
+        incl = cutlass.max(incl, below * cutlass.Int32(lane >= (1 << d)))
+    prev = cute.arch.shuffle_sync(incl, (lane - 1) & 31) * cutlass.Int32(lane >= 1)
+    starts, counts = [], []
+    for j in cutlass.range_constexpr(P):
+        end = cutlass.max(ends[j], prev)
+        starts.append(prev)
+        counts.append(end - prev)
+        prev = end
+    return starts, counts
+
+def prepared_tables(tables, workspace, num_experts: int, slots: int) -> tuple:
+    """The pointer table, size table and descriptor rows a preparation kernel writes (host side of its jit
+    function): `tables` holds the first two (`table_words`), `workspace` starts with the third."""
+    gmem = cute.AddressSpace.gmem
+    ptr_words = table_words(num_experts)[0]
+    ptr_table = cute.make_tensor(cute.make_ptr(cutlass.Int64, tables, gmem, assumed_align=16),
+                                 cute.make_layout((num_experts, len(PtrColumn)), stride=(len(PtrColumn), 1)))
+    size_table = cute.make_tensor(cute.make_ptr(cutlass.Int32, tables + 8 * ptr_words, gmem, assumed_align=16),
+                                  cute.make_layout((num_experts, len(SizeColumn)), stride=(len(SizeColumn), 1)))
+    tensormaps = descriptor_table(cute.make_ptr(cutlass.Int64, workspace, gmem, assumed_align=TENSORMAP_BYTES),
+                                  num_experts, slots)
+    return ptr_table, size_table, tensormaps
+
+@cute.jit
+def write_expert_rows(ptr_table: cute.Tensor, size_table: cute.Tensor, e, start, m, addresses: tuple,
+                      n: cutlass.Constexpr[int], k: cutlass.Constexpr[int]):
+    """Expert e's pointer row (A and C at its first row `start`, its SFA as given, B and SFB at its weight
+    slice) and size row (M, N, K, alpha's bits: 1.0 where there is no alpha). addresses: (a, its SFA, b, sfb,
+    c, alpha or 0)."""
+    a, sfa, b, sfb, c, alpha = addresses
+    ptr_table[e, int(PtrColumn.A)] = a + cutlass.Int64(start) * (k // 2)
+    ptr_table[e, int(PtrColumn.SFA)] = sfa
+    ptr_table[e, int(PtrColumn.C)] = c + cutlass.Int64(start) * (n * 2)
+    ptr_table[e, int(PtrColumn.B)] = b + cutlass.Int64(e) * (n * k // 2)
+    ptr_table[e, int(PtrColumn.SFB)] = sfb + cutlass.Int64(e) * (n * k // 16)
+    alpha_bits = cutlass.Int32(ALPHA_ONE_BITS)
+    if alpha != 0:
+        alpha_bits = cutlass.Int32(sm90.ld_global_u32(alpha + 4 * cutlass.Int64(e)))
+    size_table[e, int(SizeColumn.M)] = m
+    size_table[e, int(SizeColumn.N)] = cutlass.Int32(n)
+    size_table[e, int(SizeColumn.K)] = cutlass.Int32(k)
+    size_table[e, int(SizeColumn.L)] = alpha_bits
+
+class MoePrepareKernel:
+    """Per call, before the GEMM on the same queue, one warp per expert e (grid E):
+    1. every warp scans `offs` (clamped: `nvfp4_moe_mm`'s rule) and each expert's splits and width
+       (`plan_reference`'s rule), lane l holding experts l * P .. l * P + P - 1 (P = ceil(E / 32)), and per
+       width the tiles of earlier experts (warp scans), into shared arrays;
+    2. warp e writes expert e's pointer row (A, SFA, C at its first row; B, SFB at its weight slice) and
+       size row (M, N, K, alpha's bits), and its tiles' parts: the tiles form one sequence, widest width
+       first (the host planner's longest-first order: a tile's cost grows with its width), then by expert,
+       split and N tile; position p goes to CTA p % grid on even laps (p // grid) and grid - 1 - p % grid on
+       odd ones (snake), as the CTA's part p // grid. Each CTA's load is within one tile of the mean, and at
+       any moment the CTAs work on a window of `grid` neighbouring tiles (an expert's N tiles together: its
+       A and, across splits, its B tiles shared in L2, as in the host's plans);
+    3. warp 0 writes the header (`cta_offset`: closed form);
+    4. warp e writes expert e's TMA descriptors (the code of `GroupTensormapKernel`) and its share of the
+       GEMM's workspace reset (`prepare_workspace`).
+    Launched without programmatic dependent launch: it waits for the GEMM before it on the queue, which reads
+    the same tables, work list and descriptors."""
+
+    threads = 32
 
     @cute.jit
-    def expert_rows(offs: cutlass.Int64, num_experts: cutlass.Constexpr[int], num_tokens, lane):
-        """(first rows, rows) of lane `lane`'s experts, l * P .. l * P + P - 1 (P = ceil(E / 32)), as two lists: each
-        end of `offs` clamped to [0, T] and to at least the ends before it (`nvfp4_moe_mm`'s rule): a running
-        maximum, lane-local then across the warp (shuffles). Both arches' preparation kernels start with it."""
-        P = ceil_div(num_experts, 32)
+    def cta_offset(self, cta, laps, rest):
+        """CTA `cta`'s first part in the work list (`cta` = grid: the part count): every CTA has `laps` parts
+        and the last, partial lap's `rest` tiles go to CTAs 0 .. rest - 1 (an even lap) or grid - rest ..
+        grid - 1 (an odd one)."""
+        extra = cutlass.min(cta, rest)
+        if laps % 2 == 1:
+            extra = cutlass.max(cta - (self.grid - rest), cutlass.Int32(0))
+        return cta * laps + extra
+
+    def __init__(self, gemm, num_experts: int, n: int, k: int, grid: int):
+        self.gemm = gemm
+        self.write_row = host.GroupTensormapKernel(gemm).write_row
+        self.num_experts = num_experts
+        self.n, self.k, self.grid = n, k, grid
+        self.widths = gemm.widths
+        self.per_lane = ceil_div(num_experts, 32)
+        self.header_words = header_words(grid)
+        self.costs = tuple(sm90.sm90_tile_cost(w, k) for w in self.widths)
+
+    @cute.jit
+    def __call__(self, offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64,
+                 sfb: cutlass.Int64, c: cutlass.Int64, alpha: cutlass.Int64, tables: cutlass.Int64,
+                 workspace: cutlass.Int64, work: cutlass.Int64, num_tokens: cutlass.Int32, stream: cuda.CUstream):
+        E = self.num_experts
+        ptr_table, size_table, tensormaps = prepared_tables(tables, workspace, E, len(self.gemm.descriptor_slots))
+        self.kernel(self.gemm.descriptor_atoms(), ptr_table, size_table, tensormaps, offs, a, sfa, b, sfb, c,
+                    alpha, work, num_tokens).launch(grid=(E, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, atoms: tuple, ptr_table: cute.Tensor, size_table: cute.Tensor, tensormaps: cute.Tensor,
+               offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64, sfb: cutlass.Int64,
+               c: cutlass.Int64, alpha: cutlass.Int64, work: cutlass.Int64, num_tokens: cutlass.Int32):
+        E, P = self.num_experts, self.per_lane
+        n, k = self.n, self.k
+        e, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        slots = self.gemm.descriptor_slots
+
+        @cute.struct
+        class SharedStorage:
+            tensormap_buffer: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Int64, len(slots) * TENSORMAP_BYTES // 8], TENSORMAP_BYTES]
+            start: cute.struct.MemRange[cutlass.Int32, 32 * P]
+            rows: cute.struct.MemRange[cutlass.Int32, 32 * P]
+            choice: cute.struct.MemRange[cutlass.Int32, 32 * P]  # width index | splits << 8
+            before: cute.struct.MemRange[cutlass.Int32, 32 * P]  # tiles of the same width in earlier experts
+
+        storage = SmemAllocator().allocate(SharedStorage)
+        s_start = storage.start.get_tensor(cute.make_layout((32 * P,)))
+        s_rows = storage.rows.get_tensor(cute.make_layout((32 * P,)))
+        s_choice = storage.choice.get_tensor(cute.make_layout((32 * P,)))
+        s_before = storage.before.get_tensor(cute.make_layout((32 * P,)))
         offs_t = cute.make_tensor(cute.make_ptr(cutlass.Int32, offs, cute.AddressSpace.gmem, assumed_align=4),
-                                  cute.make_layout((num_experts,)))
-        ends = []
-        run = cutlass.Int32(0)
-        for j in cutlass.range_constexpr(P):
-            i = lane * P + j
-            v = cutlass.Int32(0)
-            if i < num_experts:
-                v = offs_t[i]
-            v = cutlass.min(cutlass.max(v, cutlass.Int32(0)), num_tokens)
-            run = cutlass.max(run, v)
-            ends.append(run)
-        incl = run
-        for d in cutlass.range_constexpr(5):
-            below = cute.arch.shuffle_sync(incl, (lane - (1 << d)) & 31)
-            incl = cutlass.max(incl, below * cutlass.Int32(lane >= (1 << d)))
-        prev = cute.arch.shuffle_sync(incl, (lane - 1) & 31) * cutlass.Int32(lane >= 1)
-        starts, counts = [], []
-        for j in cutlass.range_constexpr(P):
-            end = cutlass.max(ends[j], prev)
-            starts.append(prev)
-            counts.append(end - prev)
-            prev = end
-        return starts, counts
+                                  cute.make_layout((E,)))
+        num_widths = len(self.widths)
+        n_tiles = n // 128
 
-    def prepared_tables(tables, workspace, num_experts: int, slots: int) -> tuple:
-        """The pointer table, size table and descriptor rows a preparation kernel writes (host side of its jit
-        function): `tables` holds the first two (`table_words`), `workspace` starts with the third."""
-        gmem = cute.AddressSpace.gmem
-        ptr_words = table_words(num_experts)[0]
-        ptr_table = cute.make_tensor(cute.make_ptr(cutlass.Int64, tables, gmem, assumed_align=16),
-                                     cute.make_layout((num_experts, len(PtrColumn)), stride=(len(PtrColumn), 1)))
-        size_table = cute.make_tensor(cute.make_ptr(cutlass.Int32, tables + 8 * ptr_words, gmem, assumed_align=16),
-                                      cute.make_layout((num_experts, len(SizeColumn)), stride=(len(SizeColumn), 1)))
-        tensormaps = descriptor_table(cute.make_ptr(cutlass.Int64, workspace, gmem, assumed_align=TENSORMAP_BYTES),
-                                      num_experts, slots)
-        return ptr_table, size_table, tensormaps
+        # ---- 1. the experts' rows (`expert_rows`), then per expert the candidate of least total cost (fewest
+        # tiles first), and its tiles counted per width (lane-local runs)
+        starts, counts = expert_rows(offs, E, num_tokens, lane)
+        runs = [cutlass.Int32(0) for _ in range(num_widths)]
+        local = []
+        for j in cutlass.range_constexpr(P):
+            m = counts[j]
+            best_count = cutlass.Int32(0)
+            best_width = cutlass.Int32(0)
+            best_total = cutlass.Int32(0)
+            for ci in cutlass.range_constexpr(num_widths - 1, -1, -1):
+                cap = self.widths[ci]
+                count = (m + (cap - 1)) // cap
+                # the narrowest width whose `count` tiles cover m
+                wi = cutlass.Int32(num_widths - 1)
+                cost = cutlass.Int32(self.costs[-1])
+                for x in cutlass.range_constexpr(num_widths - 1, -1, -1):
+                    if self.widths[x] * count >= m:
+                        wi = cutlass.Int32(x)
+                        cost = cutlass.Int32(self.costs[x])
+                total = count * cost
+                if cutlass.const_expr(ci == num_widths - 1):  # the first candidate: the fewest tiles
+                    best_total, best_count, best_width = total, count, wi
+                else:
+                    if total < best_total:  # strictly: the first of equal totals stays
+                        best_total = total
+                        best_count = count
+                        best_width = wi
+            tiles = best_count * n_tiles
+            before = cutlass.Int32(0)
+            for x in cutlass.range_constexpr(num_widths):
+                on = cutlass.Int32(best_width == x)
+                before = before + runs[x] * on
+                runs[x] = runs[x] + tiles * on
+            local.append((starts[j], m, best_width | (best_count << 8), before))
+        # ---- per width: exclusive scan of the lanes' tile counts, and the totals
+        bases, totals = [], []
+        for x in cutlass.range_constexpr(num_widths):
+            t_incl = runs[x]
+            for d in cutlass.range_constexpr(5):
+                t_below = cute.arch.shuffle_sync(t_incl, (lane - (1 << d)) & 31)
+                t_incl = t_incl + t_below * cutlass.Int32(lane >= (1 << d))
+            bases.append(t_incl - runs[x])
+            totals.append(cute.arch.shuffle_sync(t_incl, 31))
+        for j in cutlass.range_constexpr(P):
+            start, m, choice, before = local[j]
+            i = lane * P + j
+            s_start[i] = start
+            s_rows[i] = m
+            s_choice[i] = choice
+            base = cutlass.Int32(0)
+            for x in cutlass.range_constexpr(num_widths):
+                base = base + bases[x] * cutlass.Int32((choice & 0xFF) == x)
+            s_before[i] = base + before
+        cute.arch.barrier()
+        all_tiles = cutlass.Int32(0)
+        for x in cutlass.range_constexpr(num_widths):
+            all_tiles = all_tiles + totals[x]
+        laps = all_tiles // self.grid
+        rest = all_tiles % self.grid
+
+        # ---- 2. expert e's table rows and parts
+        start = s_start[e]
+        m = s_rows[e]
+        choice = s_choice[e]
+        wi = choice & 0xFF
+        count = choice >> 8
+        if lane == 0:
+            write_expert_rows(ptr_table, size_table, e, start, m, (a, sfa + cutlass.Int64(start) * (k // 16), b, sfb,
+                                                                  c, alpha), n, k)
+        # this expert's first position in the sequence: the tiles of wider widths, then those of its width in
+        # earlier experts
+        width = cutlass.Int32(self.widths[0])
+        first = s_before[e]
+        for x in cutlass.range_constexpr(num_widths):
+            if wi == x:
+                width = cutlass.Int32(self.widths[x])
+                for y in cutlass.range_constexpr(x + 1, num_widths):
+                    first = first + totals[y]
+        parts = work + 4 * self.header_words
+        for j in cutlass.range(lane, count * n_tiles, 32, unroll=1):
+            position = first + j
+            lap = position // self.grid
+            seat = position % self.grid
+            cta = seat
+            if lap % 2 == 1:
+                cta = self.grid - 1 - seat
+            entry = parts + 32 * cutlass.Int64(self.cta_offset(cta, laps, rest) + lap)
+            sm90.st_global_v4(entry, cutlass.Uint32(e), cutlass.Uint32((j // n_tiles) * width), cutlass.Uint32(wi),
+                              cutlass.Uint32(j % n_tiles))
+            sm90.st_global_v4(entry + 16, cutlass.Uint32(0), cutlass.Uint32(k // 128), cutlass.Uint32(0xFFFFFFFF),
+                              cutlass.Uint32(0))
+
+        # ---- 3. the header (warp 0): word 0 the partials' offset (none), then the CTAs' first parts
+        if e == 0:
+            if lane == 0:
+                sm90.st_global_u32(work, cutlass.Uint32(0))
+            for cta in cutlass.range(lane, self.grid + 1, 32, unroll=1):
+                offset = cutlass.Uint32(self.cta_offset(cta, laps, rest))
+                sm90.st_global_u32(work + 4 * (1 + cutlass.Int64(cta)), offset)
+
+        # ---- 4. expert e's descriptors (from the rows just written) and the workspace reset
+        cute.arch.barrier()
+        buffer = storage.tensormap_buffer.data_ptr()
+        if m > 0:
+            self.write_row(atoms, ptr_table, size_table, tensormaps, e, buffer)
+        self.gemm.prepare_workspace(tensormaps, e)
+
+
+class MoeSm100Gemm(host.Sm100PersistentGroupedGemmKernel):
+    """B200: the persistent kernel (`Sm100PersistentConfig` with the MoE switches: `device_tile_count`,
+    `group_alpha`, `c_dtype`), launched on a given queue."""
+
+    @staticmethod
+    def launch_options(queue) -> dict:
+        return {} if queue is None else {"stream": queue}
 
     @cute.jit
-    def write_expert_rows(ptr_table: cute.Tensor, size_table: cute.Tensor, e, start, m, addresses: tuple,
-                          n: cutlass.Constexpr[int], k: cutlass.Constexpr[int]):
-        """Expert e's pointer row (A and C at its first row `start`, its SFA as given, B and SFB at its weight
-        slice) and size row (M, N, K, alpha's bits: 1.0 where there is no alpha). addresses: (a, its SFA, b, sfb,
-        c, alpha or 0)."""
-        a, sfa, b, sfb, c, alpha = addresses
-        ptr_table[e, int(PtrColumn.A)] = a + cutlass.Int64(start) * (k // 2)
-        ptr_table[e, int(PtrColumn.SFA)] = sfa
-        ptr_table[e, int(PtrColumn.C)] = c + cutlass.Int64(start) * (n * 2)
-        ptr_table[e, int(PtrColumn.B)] = b + cutlass.Int64(e) * (n * k // 2)
-        ptr_table[e, int(PtrColumn.SFB)] = sfb + cutlass.Int64(e) * (n * k // 16)
-        alpha_bits = cutlass.Int32(ALPHA_ONE_BITS)
-        if alpha != 0:
-            alpha_bits = cutlass.Int32(sm90.ld_global_u32(alpha + 4 * cutlass.Int64(e)))
-        size_table[e, int(SizeColumn.M)] = m
-        size_table[e, int(SizeColumn.N)] = cutlass.Int32(n)
-        size_table[e, int(SizeColumn.K)] = cutlass.Int32(k)
-        size_table[e, int(SizeColumn.L)] = alpha_bits
+    def on_stream(self, ptr_table_ptr: cute.Pointer, size_table_ptr: cute.Pointer, workspace_ptr: cute.Pointer,
+                  num_tiles: cutlass.Int32, num_ctas: cutlass.Int32, num_groups: cutlass.Constexpr[int],
+                  stream: cuda.CUstream):
+        self.launch(ptr_table_ptr, size_table_ptr, workspace_ptr, num_tiles, num_ctas, num_groups, stream)
 
-    class MoePrepareKernel:
-        """Per call, before the GEMM on the same queue, one warp per expert e (grid E):
-        1. every warp scans `offs` (clamped: `nvfp4_moe_mm`'s rule) and each expert's splits and width
-           (`plan_reference`'s rule), lane l holding experts l * P .. l * P + P - 1 (P = ceil(E / 32)), and per
-           width the tiles of earlier experts (warp scans), into shared arrays;
-        2. warp e writes expert e's pointer row (A, SFA, C at its first row; B, SFB at its weight slice) and
-           size row (M, N, K, alpha's bits), and its tiles' parts: the tiles form one sequence, widest width
-           first (the host planner's longest-first order: a tile's cost grows with its width), then by expert,
-           split and N tile; position p goes to CTA p % grid on even laps (p // grid) and grid - 1 - p % grid on
-           odd ones (snake), as the CTA's part p // grid. Each CTA's load is within one tile of the mean, and at
-           any moment the CTAs work on a window of `grid` neighbouring tiles (an expert's N tiles together: its
-           A and, across splits, its B tiles shared in L2, as in the host's plans);
-        3. warp 0 writes the header (`cta_offset`: closed form);
-        4. warp e writes expert e's TMA descriptors (the code of `GroupTensormapKernel`) and its share of the
-           GEMM's workspace reset (`prepare_workspace`).
-        Launched without programmatic dependent launch: it waits for the GEMM before it on the queue, which reads
-        the same tables, work list and descriptors."""
+class MoeSm100PrepareKernel:
+    """B200, per call, before the persistent GEMM on the same queue: CTA e (4 warps) for expert e.
+    1. warp 0 scans `offs` (`expert_rows`), each expert's rows rounded up to the blocked scale layout's
+       128-row blocks and its tiles (128-row M tiles x N / tile_n), into shared arrays; CTA 0 writes the tile
+       count after the descriptor rows, which the GEMM reads instead of a launch argument;
+    2. thread 0 writes expert e's pointer row (A, C at its first row; SFA at its block of `sfa_blocked`; B,
+       SFB at its weight slice) and size row (M, N, K, alpha's bits);
+    3. the CTA copies the expert's rows of `a_scale` (row-major) into `sfa_blocked` in the blocked order the
+       kernel's TMA reads (32-bit words: four k-blocks of one row); rows past M in its last 128-row block stay
+       as they are (they only reach output rows the TMA store clips);
+    4. warp 0 writes expert e's TMA descriptors (`GroupTensormapKernel.write_row`).
+    Launched without programmatic dependent launch, as the Hopper one. Built and SASS-checked for sm_100a; never
+    run (no B200 here)."""
 
-        threads = 32
+    threads = 128
 
-        @cute.jit
-        def cta_offset(self, cta, laps, rest):
-            """CTA `cta`'s first part in the work list (`cta` = grid: the part count): every CTA has `laps` parts
-            and the last, partial lap's `rest` tiles go to CTAs 0 .. rest - 1 (an even lap) or grid - rest ..
-            grid - 1 (an odd one)."""
-            extra = cutlass.min(cta, rest)
-            if laps % 2 == 1:
-                extra = cutlass.max(cta - (self.grid - rest), cutlass.Int32(0))
-            return cta * laps + extra
+    def __init__(self, gemm, num_experts: int, n: int, k: int):
+        self.gemm = gemm
+        self.write_row = host.GroupTensormapKernel(gemm).write_row
+        self.num_experts, self.n, self.k = num_experts, n, k
+        self.per_lane = ceil_div(num_experts, 32)
+        self.n_tiles = n // gemm.config.mma_tiler_mnk[1]
+        self.count_offset = gemm.tensormap_workspace_bytes(num_experts)  # the tile count's int32
 
-        def __init__(self, gemm, num_experts: int, n: int, k: int, grid: int):
-            self.gemm = gemm
-            self.write_row = host.GroupTensormapKernel(gemm).write_row
-            self.num_experts = num_experts
-            self.n, self.k, self.grid = n, k, grid
-            self.widths = gemm.widths
-            self.per_lane = ceil_div(num_experts, 32)
-            self.header_words = header_words(grid)
-            self.costs = tuple(tile_cost(w, k) for w in self.widths)
+    @cute.jit
+    def __call__(self, offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64,
+                 sfb: cutlass.Int64, c: cutlass.Int64, alpha: cutlass.Int64, tables: cutlass.Int64,
+                 workspace: cutlass.Int64, sfa_blocked: cutlass.Int64, num_tokens: cutlass.Int32,
+                 stream: cuda.CUstream):
+        E = self.num_experts
+        ptr_table, size_table, tensormaps = prepared_tables(tables, workspace, E, len(self.gemm.descriptor_slots))
+        self.kernel(self.gemm.descriptor_atoms(), ptr_table, size_table, tensormaps, offs, a, sfa, b, sfb, c,
+                    alpha, workspace, sfa_blocked, num_tokens).launch(grid=(E, 1, 1), block=(self.threads, 1, 1),
+                                                                      stream=stream)
 
-        @cute.jit
-        def __call__(self, offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64,
-                     sfb: cutlass.Int64, c: cutlass.Int64, alpha: cutlass.Int64, tables: cutlass.Int64,
-                     workspace: cutlass.Int64, work: cutlass.Int64, num_tokens: cutlass.Int32, stream: cuda.CUstream):
-            E = self.num_experts
-            ptr_table, size_table, tensormaps = prepared_tables(tables, workspace, E, len(self.gemm.descriptor_slots))
-            self.kernel(self.gemm.descriptor_atoms(), ptr_table, size_table, tensormaps, offs, a, sfa, b, sfb, c,
-                        alpha, work, num_tokens).launch(grid=(E, 1, 1), block=(self.threads, 1, 1), stream=stream)
+    @cute.kernel
+    def kernel(self, atoms: tuple, ptr_table: cute.Tensor, size_table: cute.Tensor, tensormaps: cute.Tensor,
+               offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64, sfb: cutlass.Int64,
+               c: cutlass.Int64, alpha: cutlass.Int64, workspace: cutlass.Int64, sfa_blocked: cutlass.Int64,
+               num_tokens: cutlass.Int32):
+        E, P = self.num_experts, self.per_lane
+        n, k = self.n, self.k
+        e, _, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        slots = self.gemm.descriptor_slots
 
-        @cute.kernel
-        def kernel(self, atoms: tuple, ptr_table: cute.Tensor, size_table: cute.Tensor, tensormaps: cute.Tensor,
-                   offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64, sfb: cutlass.Int64,
-                   c: cutlass.Int64, alpha: cutlass.Int64, work: cutlass.Int64, num_tokens: cutlass.Int32):
-            E, P = self.num_experts, self.per_lane
-            n, k = self.n, self.k
-            e, _, _ = cute.arch.block_idx()
-            lane = cute.arch.lane_idx()
-            slots = self.gemm.descriptor_slots
+        @cute.struct
+        class SharedStorage:
+            tensormap_buffer: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Int64, len(slots) * TENSORMAP_BYTES // 8], TENSORMAP_BYTES]
+            start: cute.struct.MemRange[cutlass.Int32, 32 * P]
+            rows: cute.struct.MemRange[cutlass.Int32, 32 * P]
+            padded_before: cute.struct.MemRange[cutlass.Int32, 32 * P]  # rows of the blocked SFA before it
 
-            @cute.struct
-            class SharedStorage:
-                tensormap_buffer: cute.struct.Align[
-                    cute.struct.MemRange[cutlass.Int64, len(slots) * TENSORMAP_BYTES // 8], TENSORMAP_BYTES]
-                start: cute.struct.MemRange[cutlass.Int32, 32 * P]
-                rows: cute.struct.MemRange[cutlass.Int32, 32 * P]
-                choice: cute.struct.MemRange[cutlass.Int32, 32 * P]  # width index | splits << 8
-                before: cute.struct.MemRange[cutlass.Int32, 32 * P]  # tiles of the same width in earlier experts
+        storage = SmemAllocator().allocate(SharedStorage)
+        s_start = storage.start.get_tensor(cute.make_layout((32 * P,)))
+        s_rows = storage.rows.get_tensor(cute.make_layout((32 * P,)))
+        s_padded = storage.padded_before.get_tensor(cute.make_layout((32 * P,)))
 
-            storage = SmemAllocator().allocate(SharedStorage)
-            s_start = storage.start.get_tensor(cute.make_layout((32 * P,)))
-            s_rows = storage.rows.get_tensor(cute.make_layout((32 * P,)))
-            s_choice = storage.choice.get_tensor(cute.make_layout((32 * P,)))
-            s_before = storage.before.get_tensor(cute.make_layout((32 * P,)))
-            offs_t = cute.make_tensor(cute.make_ptr(cutlass.Int32, offs, cute.AddressSpace.gmem, assumed_align=4),
-                                      cute.make_layout((E,)))
-            num_widths = len(self.widths)
-            n_tiles = n // 128
-
-            # ---- 1. the experts' rows (`expert_rows`), then per expert the candidate of least total cost (fewest
-            # tiles first), and its tiles counted per width (lane-local runs)
+        # ---- 1. rows, 128-row blocks and tiles per expert; the tile count
+        if warp == 0:
             starts, counts = expert_rows(offs, E, num_tokens, lane)
-            runs = [cutlass.Int32(0) for _ in range(num_widths)]
-            local = []
+            blocks_run = cutlass.Int32(0)
+            blocks_before = []
             for j in cutlass.range_constexpr(P):
-                m = counts[j]
-                best_count = cutlass.Int32(0)
-                best_width = cutlass.Int32(0)
-                best_total = cutlass.Int32(0)
-                for ci in cutlass.range_constexpr(num_widths - 1, -1, -1):
-                    cap = self.widths[ci]
-                    count = (m + (cap - 1)) // cap
-                    # the narrowest width whose `count` tiles cover m
-                    wi = cutlass.Int32(num_widths - 1)
-                    cost = cutlass.Int32(self.costs[-1])
-                    for x in cutlass.range_constexpr(num_widths - 1, -1, -1):
-                        if self.widths[x] * count >= m:
-                            wi = cutlass.Int32(x)
-                            cost = cutlass.Int32(self.costs[x])
-                    total = count * cost
-                    if cutlass.const_expr(ci == num_widths - 1):  # the first candidate: the fewest tiles
-                        best_total, best_count, best_width = total, count, wi
-                    else:
-                        if total < best_total:  # strictly: the first of equal totals stays
-                            best_total = total
-                            best_count = count
-                            best_width = wi
-                tiles = best_count * n_tiles
-                before = cutlass.Int32(0)
-                for x in cutlass.range_constexpr(num_widths):
-                    on = cutlass.Int32(best_width == x)
-                    before = before + runs[x] * on
-                    runs[x] = runs[x] + tiles * on
-                local.append((starts[j], m, best_width | (best_count << 8), before))
-            # ---- per width: exclusive scan of the lanes' tile counts, and the totals
-            bases, totals = [], []
-            for x in cutlass.range_constexpr(num_widths):
-                t_incl = runs[x]
-                for d in cutlass.range_constexpr(5):
-                    t_below = cute.arch.shuffle_sync(t_incl, (lane - (1 << d)) & 31)
-                    t_incl = t_incl + t_below * cutlass.Int32(lane >= (1 << d))
-                bases.append(t_incl - runs[x])
-                totals.append(cute.arch.shuffle_sync(t_incl, 31))
+                blocks_before.append(blocks_run)
+                blocks_run = blocks_run + (counts[j] + 127) // 128
+            incl = blocks_run
+            for d in cutlass.range_constexpr(5):
+                below = cute.arch.shuffle_sync(incl, (lane - (1 << d)) & 31)
+                incl = incl + below * cutlass.Int32(lane >= (1 << d))
             for j in cutlass.range_constexpr(P):
-                start, m, choice, before = local[j]
                 i = lane * P + j
-                s_start[i] = start
-                s_rows[i] = m
-                s_choice[i] = choice
-                base = cutlass.Int32(0)
-                for x in cutlass.range_constexpr(num_widths):
-                    base = base + bases[x] * cutlass.Int32((choice & 0xFF) == x)
-                s_before[i] = base + before
-            cute.arch.barrier()
-            all_tiles = cutlass.Int32(0)
-            for x in cutlass.range_constexpr(num_widths):
-                all_tiles = all_tiles + totals[x]
-            laps = all_tiles // self.grid
-            rest = all_tiles % self.grid
+                s_start[i] = starts[j]
+                s_rows[i] = counts[j]
+                s_padded[i] = 128 * (incl - blocks_run + blocks_before[j])
+            if e == 0 and lane == 31:
+                sm90.st_global_u32(workspace + self.count_offset, cutlass.Uint32(incl * self.n_tiles))
+        cute.arch.barrier()
+        start = s_start[e]
+        m = s_rows[e]
+        sfa_rows = sfa_blocked + cutlass.Int64(s_padded[e]) * (k // 16)
 
-            # ---- 2. expert e's table rows and parts
-            start = s_start[e]
-            m = s_rows[e]
-            choice = s_choice[e]
-            wi = choice & 0xFF
-            count = choice >> 8
-            if lane == 0:
-                write_expert_rows(ptr_table, size_table, e, start, m, (a, sfa + cutlass.Int64(start) * (k // 16), b, sfb,
-                                                                      c, alpha), n, k)
-            # this expert's first position in the sequence: the tiles of wider widths, then those of its width in
-            # earlier experts
-            width = cutlass.Int32(self.widths[0])
-            first = s_before[e]
-            for x in cutlass.range_constexpr(num_widths):
-                if wi == x:
-                    width = cutlass.Int32(self.widths[x])
-                    for y in cutlass.range_constexpr(x + 1, num_widths):
-                        first = first + totals[y]
-            parts = work + 4 * self.header_words
-            for j in cutlass.range(lane, count * n_tiles, 32, unroll=1):
-                position = first + j
-                lap = position // self.grid
-                seat = position % self.grid
-                cta = seat
-                if lap % 2 == 1:
-                    cta = self.grid - 1 - seat
-                entry = parts + 32 * cutlass.Int64(self.cta_offset(cta, laps, rest) + lap)
-                sm90.st_global_v4(entry, cutlass.Uint32(e), cutlass.Uint32((j // n_tiles) * width), cutlass.Uint32(wi),
-                                  cutlass.Uint32(j % n_tiles))
-                sm90.st_global_v4(entry + 16, cutlass.Uint32(0), cutlass.Uint32(k // 128), cutlass.Uint32(0xFFFFFFFF),
-                                  cutlass.Uint32(0))
+        # ---- 2. expert e's table rows
+        if tidx == 0:
+            write_expert_rows(ptr_table, size_table, e, start, m, (a, sfa_rows, b, sfb, c, alpha), n, k)
 
-            # ---- 3. the header (warp 0): word 0 the partials' offset (none), then the CTAs' first parts
-            if e == 0:
-                if lane == 0:
-                    sm90.st_global_u32(work, cutlass.Uint32(0))
-                for cta in cutlass.range(lane, self.grid + 1, 32, unroll=1):
-                    offset = cutlass.Uint32(self.cta_offset(cta, laps, rest))
-                    sm90.st_global_u32(work + 4 * (1 + cutlass.Int64(cta)), offset)
+        # ---- 3. A's scales, row-major -> blocked: word w of row r is k-blocks 4 w .. 4 w + 3
+        words = k // 64
+        src_rows = sfa + cutlass.Int64(start) * (k // 16)
+        for i in cutlass.range(tidx, m * words, self.threads, unroll=1):
+            r = i // words
+            w = i % words
+            word = sm90.ld_global_u32(src_rows + cutlass.Int64(r) * (k // 16) + 4 * w)
+            sm90.st_global_u32(sfa_rows + 4 * cutlass.Int64(blocked_scale_word(r, w, words)), word)
 
-            # ---- 4. expert e's descriptors (from the rows just written) and the workspace reset
-            cute.arch.barrier()
-            buffer = storage.tensormap_buffer.data_ptr()
+        # ---- 4. expert e's descriptors, from the rows above
+        cute.arch.barrier()
+        buffer = storage.tensormap_buffer.data_ptr()
+        if warp == 0:
             if m > 0:
                 self.write_row(atoms, ptr_table, size_table, tensormaps, e, buffer)
-            self.gemm.prepare_workspace(tensormaps, e)
-
-
-    class MoeSm100Gemm(host.Sm100PersistentGroupedGemmKernel):
-        """B200: the persistent kernel (`Sm100PersistentConfig` with the MoE switches: `device_tile_count`,
-        `group_alpha`, `c_dtype`), launched on a given queue."""
-
-        @staticmethod
-        def launch_options(queue) -> dict:
-            return {} if queue is None else {"stream": queue}
-
-        @cute.jit
-        def on_stream(self, ptr_table_ptr: cute.Pointer, size_table_ptr: cute.Pointer, workspace_ptr: cute.Pointer,
-                      num_tiles: cutlass.Int32, num_ctas: cutlass.Int32, num_groups: cutlass.Constexpr[int],
-                      stream: cuda.CUstream):
-            self.launch(ptr_table_ptr, size_table_ptr, workspace_ptr, num_tiles, num_ctas, num_groups, stream)
-
-    class MoeSm100PrepareKernel:
-        """B200, per call, before the persistent GEMM on the same queue: CTA e (4 warps) for expert e.
-        1. warp 0 scans `offs` (`expert_rows`), each expert's rows rounded up to the blocked scale layout's
-           128-row blocks and its tiles (128-row M tiles x N / tile_n), into shared arrays; CTA 0 writes the tile
-           count after the descriptor rows, which the GEMM reads instead of a launch argument;
-        2. thread 0 writes expert e's pointer row (A, C at its first row; SFA at its block of `sfa_blocked`; B,
-           SFB at its weight slice) and size row (M, N, K, alpha's bits);
-        3. the CTA copies the expert's rows of `a_scale` (row-major) into `sfa_blocked` in the blocked order the
-           kernel's TMA reads (32-bit words: four k-blocks of one row); rows past M in its last 128-row block stay
-           as they are (they only reach output rows the TMA store clips);
-        4. warp 0 writes expert e's TMA descriptors (`GroupTensormapKernel.write_row`).
-        Launched without programmatic dependent launch, as the Hopper one. Built and SASS-checked for sm_100a; never
-        run (no B200 here)."""
-
-        threads = 128
-
-        def __init__(self, gemm, num_experts: int, n: int, k: int):
-            self.gemm = gemm
-            self.write_row = host.GroupTensormapKernel(gemm).write_row
-            self.num_experts, self.n, self.k = num_experts, n, k
-            self.per_lane = ceil_div(num_experts, 32)
-            self.n_tiles = n // gemm.config.mma_tiler_mnk[1]
-            self.count_offset = gemm.tensormap_workspace_bytes(num_experts)  # the tile count's int32
-
-        @cute.jit
-        def __call__(self, offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64,
-                     sfb: cutlass.Int64, c: cutlass.Int64, alpha: cutlass.Int64, tables: cutlass.Int64,
-                     workspace: cutlass.Int64, sfa_blocked: cutlass.Int64, num_tokens: cutlass.Int32,
-                     stream: cuda.CUstream):
-            E = self.num_experts
-            ptr_table, size_table, tensormaps = prepared_tables(tables, workspace, E, len(self.gemm.descriptor_slots))
-            self.kernel(self.gemm.descriptor_atoms(), ptr_table, size_table, tensormaps, offs, a, sfa, b, sfb, c,
-                        alpha, workspace, sfa_blocked, num_tokens).launch(grid=(E, 1, 1), block=(self.threads, 1, 1),
-                                                                          stream=stream)
-
-        @cute.kernel
-        def kernel(self, atoms: tuple, ptr_table: cute.Tensor, size_table: cute.Tensor, tensormaps: cute.Tensor,
-                   offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64, sfb: cutlass.Int64,
-                   c: cutlass.Int64, alpha: cutlass.Int64, workspace: cutlass.Int64, sfa_blocked: cutlass.Int64,
-                   num_tokens: cutlass.Int32):
-            E, P = self.num_experts, self.per_lane
-            n, k = self.n, self.k
-            e, _, _ = cute.arch.block_idx()
-            tidx, _, _ = cute.arch.thread_idx()
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            lane = cute.arch.lane_idx()
-            slots = self.gemm.descriptor_slots
-
-            @cute.struct
-            class SharedStorage:
-                tensormap_buffer: cute.struct.Align[
-                    cute.struct.MemRange[cutlass.Int64, len(slots) * TENSORMAP_BYTES // 8], TENSORMAP_BYTES]
-                start: cute.struct.MemRange[cutlass.Int32, 32 * P]
-                rows: cute.struct.MemRange[cutlass.Int32, 32 * P]
-                padded_before: cute.struct.MemRange[cutlass.Int32, 32 * P]  # rows of the blocked SFA before it
-
-            storage = SmemAllocator().allocate(SharedStorage)
-            s_start = storage.start.get_tensor(cute.make_layout((32 * P,)))
-            s_rows = storage.rows.get_tensor(cute.make_layout((32 * P,)))
-            s_padded = storage.padded_before.get_tensor(cute.make_layout((32 * P,)))
-
-            # ---- 1. rows, 128-row blocks and tiles per expert; the tile count
-            if warp == 0:
-                starts, counts = expert_rows(offs, E, num_tokens, lane)
-                blocks_run = cutlass.Int32(0)
-                blocks_before = []
-                for j in cutlass.range_constexpr(P):
-                    blocks_before.append(blocks_run)
-                    blocks_run = blocks_run + (counts[j] + 127) // 128
-                incl = blocks_run
-                for d in cutlass.range_constexpr(5):
-                    below = cute.arch.shuffle_sync(incl, (lane - (1 << d)) & 31)
-                    incl = incl + below * cutlass.Int32(lane >= (1 << d))
-                for j in cutlass.range_constexpr(P):
-                    i = lane * P + j
-                    s_start[i] = starts[j]
-                    s_rows[i] = counts[j]
-                    s_padded[i] = 128 * (incl - blocks_run + blocks_before[j])
-                if e == 0 and lane == 31:
-                    sm90.st_global_u32(workspace + self.count_offset, cutlass.Uint32(incl * self.n_tiles))
-            cute.arch.barrier()
-            start = s_start[e]
-            m = s_rows[e]
-            sfa_rows = sfa_blocked + cutlass.Int64(s_padded[e]) * (k // 16)
-
-            # ---- 2. expert e's table rows
-            if tidx == 0:
-                write_expert_rows(ptr_table, size_table, e, start, m, (a, sfa_rows, b, sfb, c, alpha), n, k)
-
-            # ---- 3. A's scales, row-major -> blocked: word w of row r is k-blocks 4 w .. 4 w + 3
-            words = k // 64
-            src_rows = sfa + cutlass.Int64(start) * (k // 16)
-            for i in cutlass.range(tidx, m * words, self.threads, unroll=1):
-                r = i // words
-                w = i % words
-                word = sm90.ld_global_u32(src_rows + cutlass.Int64(r) * (k // 16) + 4 * w)
-                sm90.st_global_u32(sfa_rows + 4 * cutlass.Int64(blocked_scale_word(r, w, words)), word)
-
-            # ---- 4. expert e's descriptors, from the rows above
-            cute.arch.barrier()
-            buffer = storage.tensormap_buffer.data_ptr()
-            if warp == 0:
-                if m > 0:
-                    self.write_row(atoms, ptr_table, size_table, tensormaps, e, buffer)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def test_plan_covers_every_tile_once(widths, seed):
         assert all(a <= b for a, b in zip(offsets, offsets[1:]))
         # balance: every CTA's cost within one tile of the mean
         if len(plan["parts"]):
-            cost = [moe.tile_cost(widths[wi], k) for _, _, wi, *_ in plan["parts"].tolist()]
+            cost = [submission_sm90.sm90_tile_cost(widths[wi], k) for _, _, wi, *_ in plan["parts"].tolist()]
             total = sum(cost)
             loads = [sum(cost[a:b]) for a, b in zip(offsets, offsets[1:])]
             assert max(loads) <= total / grid + max(cost)
