@@ -104,14 +104,8 @@ def plan_reference(offs: torch.Tensor, num_tokens: int, n: int, k: int, widths: 
     ends = torch.cummax(offs.clamp(0, num_tokens), 0).values
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), ends[:-1]])
     m = ends - starts
-    w = torch.tensor(widths, dtype=torch.int64)
-    # candidates, fewest tiles first (the widest cap first): count and the narrowest width covering M
-    count = ((m[:, None] + w - 1) // w).flip(1)
-    width_index = (w * count[:, :, None] >= m[:, None, None]).int().argmax(-1)
-    cost_of = torch.tensor([sm90.sm90_tile_cost(x, k) for x in widths], dtype=torch.int64)
-    cost = cost_of[width_index]
-    pick = (count * cost).argmin(1, keepdim=True)  # first of equal totals: fewest tiles
-    splits, width_index, cost = (t.gather(1, pick)[:, 0] for t in (count, width_index, cost))
+    width_costs = torch.tensor([[sm90.sm90_tile_cost(x, k) for x in widths]], dtype=torch.int64).expand(len(m), -1)
+    splits, width_index, _ = sm90.sm90_split_choice(m, widths, width_costs)
     n_tiles = n // 128
     tiles = splits * n_tiles
     parts = []

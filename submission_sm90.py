@@ -543,6 +543,20 @@ def _segments(counts: torch.Tensor) -> tuple:
     return segment, torch.arange(total) - starts.index_select(0, segment)
 
 
+def sm90_split_choice(m: torch.Tensor, widths: tuple, width_costs: torch.Tensor) -> tuple:
+    """Per group of M = m[g] rows (int64): among the candidates of each width cap, fewest tiles first (the
+    fewest tiles of at most that width, each as narrow as covers M: `_sm90_split_width`), the one whose tiles
+    cost least in all (the first of equal costs: fewest tiles). width_costs [G, len(widths)]: a tile's cost at
+    each width, per group. Returns (tile count, width index into `widths`, tile cost), int64 per group. The bulk
+    plan's rule, and the MoE entry's (moe.py, which makes it on the GPU)."""
+    w = torch.tensor(widths, dtype=torch.int64)
+    count = ((m[:, None] + w - 1) // w).flip(1)
+    width_index = (w * count[:, :, None] >= m[:, None, None]).int().argmax(-1)
+    tile_cost = width_costs.gather(1, width_index)
+    pick = (count * tile_cost).argmin(1, keepdim=True)
+    return tuple(t.gather(1, pick)[:, 0] for t in (count, width_index, tile_cost))
+
+
 def _sm90_bulk_plan(problem_sizes: tuple, num_sms: int, widths: tuple) -> Optional[Sm90BulkPlan]:
     """The plan where whole tiles are more than SM90_SIMULATED_TILES_PER_CTA per CTA and none costs more than
     a CTA's mean load; None elsewhere (`plan_sm90_work` then searches). There the predicted makespan is the
@@ -565,13 +579,7 @@ def _sm90_bulk_plan(problem_sizes: tuple, num_sms: int, widths: tuple) -> Option
     ks = sorted({k for _, _, k, _ in problem_sizes})
     costs = torch.tensor([[sm90_tile_cost(width, k) for width in widths] for k in ks], dtype=torch.int64)
     k_index = (sizes[:, 2, None] > torch.tensor(ks, dtype=torch.int64)).sum(1)  # each K's place in ks
-    # candidates per group (one per width cap, fewest tiles first): tile count and the narrowest width that
-    # covers M with that many tiles (`_sm90_split_width`), as an index into `widths`
-    count = ((m[:, None] + w - 1) // w).flip(1)
-    width_index = (w * count[:, :, None] >= m[:, None, None]).int().argmax(-1)
-    tile_cost = costs.index_select(0, k_index).gather(1, width_index)
-    pick = (count * n_tiles[:, None] * tile_cost).argmin(1, keepdim=True)  # the first of equal costs: fewest tiles
-    count, width_index, tile_cost = (t.gather(1, pick)[:, 0] for t in (count, width_index, tile_cost))
+    count, width_index, tile_cost = sm90_split_choice(m, widths, costs.index_select(0, k_index))
     width = w.index_select(0, width_index)
     tiles = count * n_tiles
     num_tiles = int(tiles.sum())
