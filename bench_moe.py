@@ -231,12 +231,18 @@ def worst_error_ratio(data, outputs) -> float:
         if m == 0:
             continue
         a64, b64 = dequantize(a[:, :, 0], sfa[:, :, 0]), dequantize(b[:, :, 0], sfb[:, :, 0])
-        exact = a64 @ b64.T
-        tol = (CHECK_TOL["atol"] + CHECK_TOL["rtol"] * exact.abs()
-               + CHECK_TOL["sum_rel"] * math.sqrt(k) * (a64.abs() @ b64.abs().T))
-        ratio = (out[:, :, 0].to(device=exact.device, dtype=torch.float64) - exact).abs() / tol
-        worst = max(worst, ratio.nan_to_num(nan=math.inf).max().item())
+        worst = max(worst, block_error_ratio(a64, b64, out[:, :, 0], CHECK_TOL))
     return worst
+
+
+def block_error_ratio(a64: torch.Tensor, b64: torch.Tensor, out: torch.Tensor, tol: dict) -> float:
+    """Largest |out - a64 b64^T| / (atol + rtol |exact| + sum_rel sqrt(K) sum_k |a b|) over one expert's block
+    (float64 operands [M, K] and [N, K]); inf for a non-finite element."""
+    exact = a64 @ b64.T
+    bound = (tol["atol"] + tol["rtol"] * exact.abs()
+             + tol["sum_rel"] * math.sqrt(a64.shape[1]) * (a64.abs() @ b64.abs().T))
+    ratio = (out.to(device=exact.device, dtype=torch.float64) - exact).abs() / bound
+    return ratio.nan_to_num(nan=math.inf).max().item()
 
 
 # ---------------------------------------------------------------------------------------------------------
