@@ -9,27 +9,23 @@ Skipped without an sm_90 or sm_100 GPU and nvidia-cutlass-dsl (on a B200 they ha
 import pytest
 import torch
 
-from conftest import cuda_capability, have_dsl
+from conftest import cuda_capability, dequant_f64, have_dsl
 
 CAPABILITY = cuda_capability()
 # B200: the entry's path there is built and SASS-checked but has never run; these tests are its first check
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (have_dsl() and CAPABILITY in ((9, 0), (10, 0))),
                                                   reason="needs an sm_90 or sm_100 GPU and the DSL")]
 
-# every e2m1 value and their negatives; e4m3 scale codes of both signs, subnormals included (exponent <= 8)
-_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                     dtype=torch.float64)
-
-
 def _scale_codes():
-    return torch.tensor([c for c in range(256) if ((c >> 3) & 0xF) <= 8], dtype=torch.uint8)
+    """e4m3 scale codes of both signs, zero and subnormals included, up to exponent field 8 (bench_moe's)."""
+    import bench_moe
+
+    return torch.tensor(bench_moe.scale_codes(8), dtype=torch.uint8)
 
 
 def _decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """[rows, K/2] uint8 and [rows, K/16] e4m3 -> [rows, K] float64, exactly."""
-    lut = _E2M1.to(codes.device)
-    values = torch.stack((lut[(codes & 0xF).long()], lut[(codes >> 4).long()]), -1).flatten(-2)
-    return values * scales.to(torch.float64).repeat_interleave(16, dim=-1)
+    """[rows, K/2] uint8 and [rows, K/16] e4m3 -> [rows, K] float64 on their device (conftest's decoder)."""
+    return dequant_f64(codes, scales).to(codes.device)
 
 
 class Layer:
