@@ -3,7 +3,10 @@
     out[offs[e-1]:offs[e]] = alpha[e] * (A[offs[e-1]:offs[e]] * SFA) @ (B[e] * SFB[e])^T    for every expert e
 
 - `a` [T, K/2] NVFP4 activations (e2m1 pairs, `torch.float4_e2m1fn_x2` or uint8), tokens sorted by expert;
-  `a_scale` [T, K/16] e4m3, row-major as a quantization kernel writes it;
+  `a_scale` [T, K/16] e4m3, row-major as a quantization kernel writes it. Or (W4A16, Hopper only) `a` [T, K]
+  bf16 or fp16 as the layer has it and `a_scale` None: A is TMA-loaded as it is and B converted exactly to A's
+  type (every e2m1 x e4m3 product is exact in both), fp32 accumulation (`Sm90GemmConfig.a_input`); a B200
+  refuses it (its tensor cores take fp4 for both operands);
 - `b`, `b_scale`: the weights made once per layer by `prepare_moe_weights(b [E, N, K/2], b_scale [E, N, K/16])`
   (the scales re-laid out in the blocked order the kernels read, [E, N/128, K/64, 512]);
 - `offs` int32 [E] on the GPU: cumulative ends of the experts' rows; `alpha` fp32 [E] (optional): each expert's
@@ -15,12 +18,12 @@ One call is two launches on torch's current CUDA queue and no host work that rea
   list (each expert's tile width by the host planner's rule, `_sm90_bulk_plan`, the tiles widest first dealt in
   snake order to a fixed grid of SM-count CTAs) and the experts' TMA descriptors;
 - the Hopper GEMM (`Sm90BlockScaledGroupedGemmKernel` with the MoE switches: the A scales read row-major, alpha,
-  bf16 out) converts A and runs the work list.
+  bf16 out; with 16-bit A, `a_input`) converts A (NVFP4 A only) and runs the work list.
 So a layer step can be captured in a CUDA graph and replayed after new routing is written into the same tensors,
 and `torch.ops.nvfp4_moe.mm` (a torch.library op with a fake implementation) traces under
-`torch.compile(fullgraph=True)`. Compiles: one per (E, N, K, build, out dtype); buffers: one set per (device,
-CUDA queue, E, N, K, T rounded up to a power of two, build, out dtype), reused by every call on that queue (calls
-on one queue run in order; NOTES: two queues never share a set).
+`torch.compile(fullgraph=True)`. Compiles: one per (E, N, K, build, out dtype, A's kind); buffers: one set per
+(device, CUDA queue, E, N, K, T rounded up to a power of two, build, out dtype, A's kind), reused by every call on
+that queue (calls on one queue run in order; NOTES: two queues never share a set).
 
 Bad `offs` never read or write out of bounds: each end is clamped to [0, T] and to at least the previous end
 (a running maximum), so a decreasing entry makes its expert empty and rows past T belong to no expert. Rows of
@@ -179,12 +182,12 @@ def prepared_tables(tables, workspace, num_experts: int, slots: int) -> tuple:
 
 @cute.jit
 def write_expert_rows(ptr_table: cute.Tensor, size_table: cute.Tensor, e, start, m, addresses: tuple,
-                      n: cutlass.Constexpr[int], k: cutlass.Constexpr[int]):
-    """Expert e's pointer row (A and C at its first row `start`, its SFA as given, B and SFB at its weight
-    slice) and size row (M, N, K, alpha's bits: 1.0 where there is no alpha). addresses: (a, its SFA, b, sfb,
-    c, alpha or 0)."""
+                      n: cutlass.Constexpr[int], k: cutlass.Constexpr[int], a_row_bytes: cutlass.Constexpr[int]):
+    """Expert e's pointer row (A and C at its first row `start`, A's rows `a_row_bytes` each: K / 2 of NVFP4,
+    2 K of 16-bit values; its SFA as given, B and SFB at its weight slice) and size row (M, N, K, alpha's bits:
+    1.0 where there is no alpha). addresses: (a, its SFA, b, sfb, c, alpha or 0)."""
     a, sfa, b, sfb, c, alpha = addresses
-    ptr_table[e, int(PtrColumn.A)] = a + cutlass.Int64(start) * (k // 2)
+    ptr_table[e, int(PtrColumn.A)] = a + cutlass.Int64(start) * a_row_bytes
     ptr_table[e, int(PtrColumn.SFA)] = sfa
     ptr_table[e, int(PtrColumn.C)] = c + cutlass.Int64(start) * (n * 2)
     ptr_table[e, int(PtrColumn.B)] = b + cutlass.Int64(e) * (n * k // 2)
@@ -236,6 +239,7 @@ class MoePrepareKernel:
         self.per_lane = ceil_div(num_experts, 32)
         self.header_words = header_words(grid)
         self.costs = tuple(sm90.sm90_tile_cost(w, k) for w in self.widths)
+        self.a_row_bytes = 2 * k if gemm.a16_input else k // 2  # 16-bit A (W4A16) or NVFP4 codes
 
     @cute.jit
     def __call__(self, offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64,
@@ -344,7 +348,7 @@ class MoePrepareKernel:
         count = choice >> 8
         if lane == 0:
             write_expert_rows(ptr_table, size_table, e, start, m, (a, sfa + cutlass.Int64(start) * (k // 16), b, sfb,
-                                                                  c, alpha), n, k)
+                                                                  c, alpha), n, k, self.a_row_bytes)
         # this expert's first position in the sequence: the tiles of wider widths, then those of its width in
         # earlier experts
         width = cutlass.Int32(self.widths[0])
@@ -485,7 +489,7 @@ class MoeSm100PrepareKernel:
 
         # ---- 2. expert e's table rows
         if tidx == 0:
-            write_expert_rows(ptr_table, size_table, e, start, m, (a, sfa_rows, b, sfb, c, alpha), n, k)
+            write_expert_rows(ptr_table, size_table, e, start, m, (a, sfa_rows, b, sfb, c, alpha), n, k, k // 2)
 
         # ---- 3. A's scales, row-major -> blocked: word w of row r is k-blocks 4 w .. 4 w + 3
         words = k // 64
@@ -559,29 +563,37 @@ def prepare_moe_weights(b: torch.Tensor, b_scale: torch.Tensor) -> tuple:
 
 _FP4_DTYPES = (torch.uint8,) + ((torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ())
 OUT_DTYPES = (torch.float16, torch.bfloat16)
+# 16-bit A (W4A16, Hopper): the GEMM's `a_input` per dtype; NVFP4 A is "fp4"
+A16_INPUTS = {torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
 def check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out_dtype, storage: bool = True) -> tuple:
-    """(T, E, N, K, out dtype) from the tensors' metadata alone (no value is read); ValueError naming the
-    first argument that does not fit. storage=False (the fake implementation, tracing): shapes, dtypes and
-    devices only (no addresses)."""
+    """(T, E, N, K, out dtype, A's kind: "fp4", or "f16" / "bf16" for 16-bit A) from the tensors' metadata alone
+    (no value is read); ValueError naming the first argument that does not fit. storage=False (the fake
+    implementation, tracing): shapes, dtypes and devices only (no addresses)."""
     def need(ok: bool, message: str):
         if not ok:
             raise ValueError(f"nvfp4_moe_mm: {message}")
 
-    need(a.dim() == 2 and a.dtype in _FP4_DTYPES, f"a must be [T, K/2] float4_e2m1fn_x2 or uint8; got "
-                                                   f"{tuple(a.shape)} {a.dtype}")
-    num_tokens, half_k = a.shape
-    k = 2 * half_k
+    a_input = A16_INPUTS.get(a.dtype, "fp4")
+    need(a.dim() == 2 and (a.dtype in _FP4_DTYPES or a_input != "fp4"),
+         f"a must be [T, K/2] float4_e2m1fn_x2 or uint8 (NVFP4), or [T, K] bfloat16 or float16 (W4A16, Hopper); got "
+         f"{tuple(a.shape)} {a.dtype}")
+    num_tokens, k = a.shape[0], a.shape[1] * (1 if a_input != "fp4" else 2)
+    half_k = k // 2
     need(b.dim() == 3 and b.dtype == torch.uint8 and b.shape[2] == half_k,
          f"b must be prepare_moe_weights' [E, N, K/2] uint8 with K/2 = {half_k}; got {tuple(b.shape)} {b.dtype}")
     num_experts, n, _ = b.shape
     need(k % 256 == 0 and k > 0, f"K = {k} must be a positive multiple of 256")
     need(n % 128 == 0 and n > 0, f"N = {n} must be a positive multiple of 128")
     need(0 < num_experts <= MAX_EXPERTS, f"E = {num_experts} experts: 1 to {MAX_EXPERTS}")
-    need(tuple(a_scale.shape) == (num_tokens, k // 16) and a_scale.dtype == torch.float8_e4m3fn,
-         f"a_scale must be [T, K/16] = [{num_tokens}, {k // 16}] float8_e4m3fn; got {tuple(a_scale.shape)} "
-         f"{a_scale.dtype}")
+    if a_input != "fp4":
+        need(a_scale is None, f"a_scale must be None with {a.dtype} a (W4A16: A's values are given as they are)")
+    else:
+        need(a_scale is not None and tuple(a_scale.shape) == (num_tokens, k // 16)
+             and a_scale.dtype == torch.float8_e4m3fn,
+             f"a_scale must be [T, K/16] = [{num_tokens}, {k // 16}] float8_e4m3fn with NVFP4 a; got "
+             + ("None" if a_scale is None else f"{tuple(a_scale.shape)} {a_scale.dtype}"))
     need(tuple(b_scale.shape) == (num_experts, n // 128, k // 64, 512) and b_scale.dtype == torch.float8_e4m3fn,
          f"b_scale must be prepare_moe_weights' [E, N/128, K/64, 512] float8_e4m3fn "
          f"({num_experts}, {n // 128}, {k // 64}, 512); got {tuple(b_scale.shape)} {b_scale.dtype} (raw [E, N, K/16] "
@@ -608,7 +620,7 @@ def check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out_dtype, storage:
             need(t.data_ptr() % 16 == 0 or name in ("offs", "alpha"), f"{name} must be 16-byte aligned")
     if storage:
         need(device.type == "cuda", f"the tensors are on {device}: the entry runs on a CUDA GPU")
-    return num_tokens, num_experts, n, k, out_dtype
+    return num_tokens, num_experts, n, k, out_dtype, a_input
 
 
 @dataclasses.dataclass
@@ -658,27 +670,32 @@ def _sm_count(index: int) -> int:
 
 
 def _launch_for(device: torch.device, queue: int, num_tokens: int, num_experts: int, n: int, k: int,
-                out_dtype) -> _MoeLaunch:
+                out_dtype, a_input: str = "fp4") -> _MoeLaunch:
     bucket = 1 << max(num_tokens - 1, 0).bit_length()
     major, _ = host._device_capability(device.index)
     if major not in (9, 10):
         raise host.UnsupportedDeviceError(f"nvfp4_moe_mm runs on Hopper (sm_90) and B200 (sm_100) GPUs; this GPU is "
                                           f"sm_{major}x")
+    if major == 10 and a_input != "fp4":
+        raise ValueError("nvfp4_moe_mm: 16-bit a (W4A16) runs on Hopper only; on a B200 give NVFP4 a [T, K/2] with "
+                         "its a_scale (the fp4 tensor cores take both operands in fp4)")
     build = choose_build(num_tokens, num_experts) if major == 9 else "b200"
-    key = (device.index, queue, num_experts, n, k, bucket, build, out_dtype)
+    key = (device.index, queue, num_experts, n, k, bucket, build, out_dtype, a_input)
     launch = _launches.get(key)
     if launch is not None:
         return launch
     if major == 10:
         launch = _launches[key] = _b200_launch(device, num_experts, n, k, bucket, out_dtype)
         return launch
-    config = dataclasses.replace(moe_builds()[build], bf16_out=out_dtype == torch.bfloat16)
+    config = dataclasses.replace(moe_builds()[build], bf16_out=out_dtype == torch.bfloat16, a_input=a_input,
+                                 sfa_row_major=a_input == "fp4")
     grid = _sm_count(device.index)
     kernel = sm90.Sm90BlockScaledGroupedGemmKernel
     ptr_words, words = table_words(num_experts)
     with torch.cuda.device(device):
         tables = torch.empty(words, dtype=torch.int64, device=device)
-        workspace = host.aligned_device_buffer(ceil_div(kernel.a16_offset(num_experts) + bucket * k * 2, 1024) * 1024,
+        a16_bytes = bucket * k * 2 if a_input == "fp4" else 0  # NVFP4 A converted to fp16 there
+        workspace = host.aligned_device_buffer(ceil_div(kernel.a16_offset(num_experts) + a16_bytes, 1024) * 1024,
                                                1024, device)
         work = torch.empty(header_words(grid) + 8 * max_parts(bucket, num_experts, n, config.widths),
                            dtype=torch.int32, device=device)
@@ -699,7 +716,7 @@ def _signature(a, a_scale, b, b_scale, offs, alpha, out) -> tuple:
     """What the checks read of the tensors (shapes, dtypes, devices, contiguity), read cheaply: a call whose
     signature was checked before skips the checks (`_moe_mm_into`; only the addresses are checked each call)."""
     tensors = (a, a_scale, b, b_scale, offs, out) if alpha is None else (a, a_scale, b, b_scale, offs, out, alpha)
-    return (tuple((t.shape, t.dtype, t.get_device(), t.is_contiguous()) for t in tensors),
+    return (tuple(None if t is None else (t.shape, t.dtype, t.get_device(), t.is_contiguous()) for t in tensors),
             torch._C._cuda_getCurrentRawStream(a.get_device()) if a.is_cuda else None)
 
 
@@ -732,14 +749,16 @@ def _moe_mm_into(a, a_scale, b, b_scale, offs, alpha, out) -> None:
     signature = _signature(a, a_scale, b, b_scale, offs, alpha, out)
     launch = _signatures.get(signature)
     if launch is None:
-        num_tokens, num_experts, n, k, out_dtype = check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out.dtype)
+        num_tokens, num_experts, n, k, out_dtype, a_input = check_moe_args(a, a_scale, b, b_scale, offs, alpha, out,
+                                                                            out.dtype)
         if num_tokens == 0:
             return
-        launch = _launch_for(a.device, signature[1], num_tokens, num_experts, n, k, out_dtype)
+        launch = _launch_for(a.device, signature[1], num_tokens, num_experts, n, k, out_dtype, a_input)
         if len(_signatures) >= MAX_SIGNATURES:
             _signatures.clear()
         _signatures[signature] = launch
-    pa, pas, pb, pbs, po = a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(), out.data_ptr()
+    pas = 0 if a_scale is None else a_scale.data_ptr()
+    pa, pb, pbs, po = a.data_ptr(), b.data_ptr(), b_scale.data_ptr(), out.data_ptr()
     if (pa | pas | pb | pbs | po) & 15:
         check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out.dtype)  # names the misaligned one
     tables, workspace, work = launch.fixed
@@ -756,7 +775,7 @@ MAX_SIGNATURES = 1024  # a serving engine has a few shapes per layer kind and ba
 # The torch ops
 # ---------------------------------------------------------------------------------------------------------
 @torch.library.custom_op("nvfp4_moe::mm", mutates_args=())
-def _mm_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, offs: torch.Tensor,
+def _mm_op(a: torch.Tensor, a_scale: Optional[torch.Tensor], b: torch.Tensor, b_scale: torch.Tensor, offs: torch.Tensor,
            alpha: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
     _moe_mm_into(a, a_scale, b, b_scale, offs, alpha, out)
@@ -770,7 +789,7 @@ def _mm_fake(a, a_scale, b, b_scale, offs, alpha, out_dtype):
 
 
 @torch.library.custom_op("nvfp4_moe::mm_out", mutates_args=("out",))
-def _mm_out_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, offs: torch.Tensor,
+def _mm_out_op(a: torch.Tensor, a_scale: Optional[torch.Tensor], b: torch.Tensor, b_scale: torch.Tensor, offs: torch.Tensor,
                alpha: Optional[torch.Tensor], out: torch.Tensor) -> None:
     _moe_mm_into(a, a_scale, b, b_scale, offs, alpha, out)
 
@@ -780,7 +799,7 @@ def _mm_out_fake(a, a_scale, b, b_scale, offs, alpha, out):
     check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out.dtype, storage=False)
 
 
-def nvfp4_moe_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, offs: torch.Tensor,
+def nvfp4_moe_mm(a: torch.Tensor, a_scale: Optional[torch.Tensor], b: torch.Tensor, b_scale: torch.Tensor, offs: torch.Tensor,
                  alpha: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The MoE layer's expert GEMM (module docstring). Eagerly it calls the implementation directly (the torch

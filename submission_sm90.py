@@ -111,6 +111,8 @@ SM90_TILE_OVERHEAD = 300
 # 128-row chunk's 0.86 us gives). It binds only tiles narrower than 20 rows: there the plan balances weight
 # bytes per SM rather than MMA rows.
 SM90_CHUNK_FLOOR = 56
+# What A can be (`Sm90GemmConfig.a_input`): NVFP4 codes with scales, or 16-bit values (W4A16)
+SM90_A_INPUTS = ("fp4", "f16", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +162,10 @@ class Sm90GemmConfig:
     group_alpha: the epilogue multiplies each group's output by its fp32 scale (an NVFP4 checkpoint's global
       scale), whose bits the size table's L column holds.
     bf16_out: C is written as bf16 (round to nearest) instead of fp16.
+    a_input: "fp4" (NVFP4 A and its scales, the leaderboard's), or "f16" / "bf16": A given as 16-bit values
+      (W4A16, the MoE entry's): the fp16 A region of the workspace, its conversion and the grid barrier go, the
+      producer TMA-loads A from the caller's tensor (the pointer table's A column) into the A buffers as it is,
+      and the consumers convert B to A's type (m_exact builds only).
     """
 
     num_stages: int = 0
@@ -176,6 +182,7 @@ class Sm90GemmConfig:
     sfa_row_major: bool = False
     group_alpha: bool = False
     bf16_out: bool = False
+    a_input: str = "fp4"
 
     def __post_init__(self):
         if self.m_exact != self.a16_prepass:
@@ -194,6 +201,9 @@ class Sm90GemmConfig:
         if self.sfa_row_major and not (self.a16_prepass and self.a16_fused):
             raise ValueError("Sm90GemmConfig.sfa_row_major: only with a16_prepass and a16_fused (the GEMM's own A "
                              "conversion reads the scales)")
+        if self.a_input not in SM90_A_INPUTS or (self.a_input != "fp4" and (not self.m_exact or self.sfa_row_major)):
+            raise ValueError(f"Sm90GemmConfig.a_input={self.a_input!r}: one of {SM90_A_INPUTS}; 16-bit A only with "
+                             "m_exact and without sfa_row_major (it has no scales)")
         if self.m_exact and not 0 < len(self.widths) <= SM90_MAX_BUILD_WIDTHS:
             raise ValueError(f"Sm90GemmConfig: widths {self.min_width}-{self.max_width} give {len(self.widths)} "
                              f"mainloops; a build takes 1 to {SM90_MAX_BUILD_WIDTHS}")
@@ -901,17 +911,24 @@ def ld_shared_u16(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def scale_pair_to_f16x2(scale_pair, *, loc=None, ip=None):
+def scale_pair_to_f16x2(scale_pair, bf16: bool = False, *, loc=None, ip=None):
     """The two e4m3 bytes in the low 16 bits of `scale_pair` as fp16x2 {s0, s1} (byte 0 the low half), by the
     hardware e4m3x2 -> f16x2 conversion alone: exact for every code, e4m3 NaN gives fp16 NaN
-    (the consumers' B scales: `fp4x8_to_f16x2x4` takes each as a broadcast half)."""
-    r = _asm(T.i32(), [_u32(scale_pair, loc, ip)],
-             "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $1;\ncvt.rn.f16x2.e4m3x2 $0, lo;\n}", "=r,r", False, loc, ip)
+    (the consumers' B scales: `fp4x8_to_f16x2x4` takes each as a broadcast half).
+    bf16 (W4A16 with bf16 A): bf16x2 {s0 * 2^112, s1 * 2^112} instead, through fp32 (exact: at most 4 significant
+    bits, 448 * 2^112 < 2^127; NaN stays NaN), the factor that makes `fp4x8_to_f16x2x4`'s bf16 codes (value *
+    2^-126) times it the value * 2^-14, as in fp16."""
+    ptx = "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $1;\ncvt.rn.f16x2.e4m3x2 $0, lo;\n}"
+    if bf16:
+        ptx = ("{\n.reg .b16 lo, hi;\n.reg .b32 x;\n.reg .f32 f0, f1;\nmov.b32 {lo, hi}, $1;\n"
+               "cvt.rn.f16x2.e4m3x2 x, lo;\nmov.b32 {lo, hi}, x;\ncvt.f32.f16 f0, lo;\ncvt.f32.f16 f1, hi;\n"
+               "mul.f32 f0, f0, 0f77800000;\nmul.f32 f1, f1, 0f77800000;\ncvt.rn.bf16x2.f32 $0, f1, f0;\n}")
+    r = _asm(T.i32(), [_u32(scale_pair, loc, ip)], ptx, "=r,r", False, loc, ip)
     return cutlass.Uint32(r)
 
 
 @dsl_user_op
-def fp4x8_to_f16x2x4(word, scale_f16x2, half: Optional[int] = None, *, loc=None, ip=None):
+def fp4x8_to_f16x2x4(word, scale_f16x2, half: Optional[int] = None, bf16: bool = False, *, loc=None, ip=None):
     """8 e2m1 nibbles (nibble i = bits 4i..4i+3) -> 4 fp16x2 registers, register i holding
     (nibble i, nibble i+4) * scale. A nibble's s.e1.e0.m bits go to fp16 bits 15, 11, 10, 9, which is the
     e2m1 value * 2^-14 (the e = 0 case is an fp16 subnormal); times the scale operand: `scale_to_f16x2`'s
@@ -927,17 +944,25 @@ def fp4x8_to_f16x2x4(word, scale_f16x2, half: Optional[int] = None, *, loc=None,
     v18).
 
     half (0 or 1): `scale_f16x2` holds two scales (`scale_pair_to_f16x2`) and this one multiplies by that
-    half of it in both lanes (a register broadcast that ptxas folds into each HMUL2 operand)."""
+    half of it in both lanes (a register broadcast that ptxas folds into each HMUL2 operand).
+
+    bf16 (W4A16 with bf16 A): the halves are bf16, the scale `scale_pair_to_f16x2(..., bf16=True)`'s: each fp16
+    code h above (bits 15, 11, 10, 9 only) becomes the bf16 code with the same bits at 15, 8, 7, 6 (h & 0x9000 |
+    (h >> 3) & ~0x9000 per half, one lop3: h >> 3 moves no bit across the halves), the e2m1 value * 2^-126
+    (e = 0 a bf16 subnormal), times the scale * 2^112: the value * 2^-14 again, exact (a normal bf16 with at
+    most 6 significant bits). Two more integer instructions per register."""
     scale = "$5" if half is None else "s"
+    mul = "mul.rn.bf16x2" if bf16 else "mul.rn.f16x2"
+    to_bf16 = "shr.b32 t2, h, 3;\nlop3.b32 h, h, t2, 0x90009000, 0xE4;\n" if bf16 else ""
     r = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_u32(word, loc, ip), _u32(scale_f16x2, loc, ip)],
-             "{\n.reg .b32 u, t, w, a, h, s;\n.reg .b16 s0, s1;\n"
+             "{\n.reg .b32 u, t, w, a, h, s" + (", t2" if bf16 else "") + ";\n.reg .b16 s0, s1;\n"
              + ("" if half is None else f"mov.b32 {{s0, s1}}, $5;\nmov.b32 s, {{s{half}, s{half}}};\n")
              + "and.b32 u, $4, 0xF0F0F0F0;\nshr.b32 t, u, 3;\n"
-             f"lop3.b32 h, u, t, 0x8E008E00, 0xA8;\nmul.rn.f16x2 $3, h, {scale};\n"
-             f"lop3.b32 h, u, t, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\nmul.rn.f16x2 $1, h, {scale};\n"
+             f"lop3.b32 h, u, t, 0x8E008E00, 0xA8;\n{to_bf16}{mul} $3, h, {scale};\n"
+             f"lop3.b32 h, u, t, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\n{to_bf16}{mul} $1, h, {scale};\n"
              "and.b32 w, $4, 0x0F0F0F0F;\nshl.b32 a, w, 4;\nshl.b32 w, w, 1;\n"
-             f"lop3.b32 h, a, w, 0x8E008E00, 0xA8;\nmul.rn.f16x2 $2, h, {scale};\n"
-             f"lop3.b32 h, a, w, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\nmul.rn.f16x2 $0, h, {scale};\n}}",
+             f"lop3.b32 h, a, w, 0x8E008E00, 0xA8;\n{to_bf16}{mul} $2, h, {scale};\n"
+             f"lop3.b32 h, a, w, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\n{to_bf16}{mul} $0, h, {scale};\n}}",
              "=r,=r,=r,=r,r,r", False, loc, ip)
     return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
 
@@ -1253,6 +1278,8 @@ class Sm90BlockScaledGroupedGemmKernel:
     # times 2^-14 (`fp4x8_to_f16x2x4`), times its scale: A's times 2^7 (`scale_to_f16x2`), 2^-7 in all; B's
     # alone (`scale_pair_to_f16x2`), 2^-14 (docs/HOPPER_NOTES.md v34).
     EPILOGUE_EXPONENT = 21
+    # a_input "f16" / "bf16": A's values as they are, B's as above: 2^-14 (`fp4x8_to_f16x2x4`, both forms)
+    A16_INPUT_EPILOGUE_EXPONENT = 14
     descriptor_slots = tuple(Sm90TensorMapSlot)
 
     def __init__(self, num_groups: int, config: "Sm90GemmConfig"):
@@ -1266,7 +1293,11 @@ class Sm90BlockScaledGroupedGemmKernel:
         self.tile_n = 128  # rows of B per tile (2 consumer warpgroups x wgmma M 64)
         self.k_chunk = 128  # k elements per stage
         self.prepass = config.a16_prepass
-        self.fused_convert = config.a16_prepass and config.a16_fused  # the conversion is this launch's first phase
+        # a_input "f16" / "bf16" (W4A16): A is TMA-loaded from the caller's tensor, nothing converts it
+        self.a16_input = config.a_input != "fp4"
+        self.a16_dtype = cutlass.BFloat16 if config.a_input == "bf16" else cutlass.Float16  # the wgmma operands'
+        self.fused_convert = config.a16_prepass and config.a16_fused and not self.a16_input  # this launch's phase 1
+        self.epilogue_exponent = self.A16_INPUT_EPILOGUE_EXPONENT if self.a16_input else self.EPILOGUE_EXPONENT
         self.a16_bytes = self.tile_m * self.k_chunk * 2  # one fp16 A buffer: tile_m rows x 128 k
         # TMA boxes of the fp16 A loads and of the C^T stores, in rows of A: a width is a whole number of them
         self.box_rows = min(32, self.widths[0]) if self.m_exact else 128
@@ -1349,7 +1380,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         if plan is not None and plan.num_slots:
             kernel = Sm90BlockScaledGroupedGemmKernel
             return kernel.partials_offset(problem_sizes) + plan.num_slots * kernel.slot_bytes(config)
-        a16 = sum(m * k * 2 for m, _, k, _ in problem_sizes) if config.a16_prepass else 0
+        a16 = sum(m * k * 2 for m, _, k, _ in problem_sizes) if config.a16_prepass and config.a_input == "fp4" else 0
         return Sm90BlockScaledGroupedGemmKernel.a16_offset(len(problem_sizes)) + a16
 
     def smem_box_layouts(self) -> tuple:
@@ -1359,7 +1390,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         C^T: 64 n x box_rows m, n contiguous (128-byte rows, 128-byte swizzle: the epilogue's stmatrix rows)."""
         fp4_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, cutlass.Uint8)
         if cutlass.const_expr(self.prepass):
-            a16_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float16)
+            a16_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.a16_dtype)
             a_box = cute.tile_to_shape(a16_atom, (self.box_rows, 64), order=(0, 1))
         else:
             a_box = cute.tile_to_shape(fp4_atom, (128, 64), order=(0, 1))
@@ -1380,7 +1411,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             ptr = cute.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
             return cute.make_tensor(ptr, cute.make_layout((placeholder, placeholder), stride=stride))
 
-        a_dtype = cutlass.Float16 if cutlass.const_expr(self.prepass) else cutlass.Uint8
+        a_dtype = self.a16_dtype if cutlass.const_expr(self.prepass) else cutlass.Uint8
         a_rows = self.box_rows if cutlass.const_expr(self.prepass) else 128
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         tma_a, g_a = cpasync.make_tiled_tma_atom(load, null_tensor(a_dtype, (placeholder, 1)), a_box, (a_rows, 64))
@@ -1402,9 +1433,12 @@ class Sm90BlockScaledGroupedGemmKernel:
         _, m_size, n_size, k_size = self.group_sizes(sizes, group)
         kb = k_size // 2
         if cutlass.const_expr(self.prepass):
-            a16_addr = tensormaps.iterator.toint() + sm90_a16_group_offset(sizes, group, self.num_groups)
+            if cutlass.const_expr(self.a16_input):
+                a16_addr = ptrs[group, int(PtrColumn.A)]  # the caller's 16-bit A (W4A16)
+            else:
+                a16_addr = tensormaps.iterator.toint() + sm90_a16_group_offset(sizes, group, self.num_groups)
             a_tensor = cute.make_tensor(
-                cute.make_ptr(cutlass.Float16, a16_addr, cute.AddressSpace.gmem, assumed_align=16),
+                cute.make_ptr(self.a16_dtype, a16_addr, cute.AddressSpace.gmem, assumed_align=16),
                 cute.make_layout((m_size, k_size), stride=(k_size, 1)))
         else:
             a_tensor = cute.make_tensor(
@@ -1473,7 +1507,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             sA: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Uint8, max(self.num_stages * self.a_stage_bytes, 16)], 1024]
             sSF: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.num_stages * self.sf_stage_bytes], 128]
-            a16: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.num_a16 * self.a16_bytes // 2], 1024]
+            a16: cute.struct.Align[cute.struct.MemRange[self.a16_dtype, self.num_a16 * self.a16_bytes // 2], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, self.c_slabs * self.C_BYTES // 2], 1024]
 
         self.shared_storage = SharedStorage
@@ -1568,7 +1602,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                                                             self.C_BYTES // 2)), swizzle=c_box.inner)
         gC = cute.group_modes(cute.local_tile(g_c, (64, self.box_rows), (None, None)), 0, 2)  # (box, RestN, RestM)
         tCsC, tCgC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), sC, gC)
-        swizzle = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, cutlass.Float16).inner
+        swizzle = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.a16_dtype).inner
         # per width: the fp16 A buffers as the wgmma B operand
         sA16 = [storage.a16.get_tensor(self.a16_outer(w, self.num_a16), swizzle=swizzle) for w in self.widths]
         smem = Sm90SharedAddresses(storage.sB.data_ptr().toint(), storage.sA.data_ptr().toint(),
@@ -1823,12 +1857,12 @@ class Sm90BlockScaledGroupedGemmKernel:
 
         # One tiled MMA per width: C^T block (64 rows of B) x (width rows of A), A operand from registers.
         tiled_mmas = [sm90_utils.make_trivial_tiled_mma(
-            cutlass.Float16, cutlass.Float16, _OperandMajorMode.K, _OperandMajorMode.K, cutlass.Float32,
+            self.a16_dtype, self.a16_dtype, _OperandMajorMode.K, _OperandMajorMode.K, cutlass.Float32,
             (1, 1, 1), (64, width), warpgroup.OperandSource.RMEM) for width in self.widths]
         # (MMA, MMA_M, MMA_K=2): register-sourced wgmma A operand for a quarter chunk (32 k), two buffers (even
         # / odd quarter); the same shape for every width
         frag_shape = tiled_mmas[0].partition_shape_A((64, 32))
-        frags = [cute.make_rmem_tensor(frag_shape, cutlass.Float16) for _ in range(2)]
+        frags = [cute.make_rmem_tensor(frag_shape, self.a16_dtype) for _ in range(2)]
         # Warp 0 of each consumer warpgroup stores its slab. The DSL does not elect a lane for the TMA store (the
         # PTX has every lane of the warp issue it); with warp-uniform operands the SASS issues it once per warp.
         c_store = pipeline.PipelineTmaStore.create(
@@ -2011,7 +2045,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             # of 16 (SM90_WIDTHS)
             for j in cutlass.range_constexpr(rows // 16):
                 addr = c_slab + (16 * j + 8 * (lane // 16) + row) * 128 + ((2 * w + (lane // 8) % 2) ^ row) * 16
-                stmatrix_f16_scaled(addr, [acc[64 * p + 8 * j + e] for e in range(8)], self.EPILOGUE_EXPONENT,
+                stmatrix_f16_scaled(addr, [acc[64 * p + 8 * j + e] for e in range(8)], self.epilogue_exponent,
                                     alpha_bits, self.config.bf16_out)
             fence_smem_for_async_proxy()
             cute.arch.barrier(barrier_id=epilogue_barrier, number_of_threads=128)
@@ -2034,7 +2068,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         b_words = [ld_shared_v4(stage_b + b_off + 512 * half) for half in range(2)]
         # per row one register of both scales (one 16-bit load, one conversion: no byte select, no 2^7 per
         # scale), b_sc[r][e] its half e, which `fp4x8_to_f16x2x4` broadcasts (docs/HOPPER_NOTES.md v34)
-        b_pairs = [scale_pair_to_f16x2(ld_shared_u16(sf_b + sfb_off + 128 * half)) for half in range(2)]
+        bf16 = self.config.a_input == "bf16"  # W4A16 with bf16 A: B converted to bf16
+        b_pairs = [scale_pair_to_f16x2(ld_shared_u16(sf_b + sfb_off + 128 * half), bf16) for half in range(2)]
         release_read_stage(stage_pipe, state)
         b_sc = [[(b_pairs[r], e) for e in range(2)] for r in range(2)]
         a16_pipe.consumer_wait(a16_state)
@@ -2053,8 +2088,8 @@ class Sm90BlockScaledGroupedGemmKernel:
                 # every wgmma of the previous chunk has retired: its fp16 A buffer can be refilled
                 a16_pipe.consumer_release(prev_state)
             frag_u32 = cute.recast_tensor(frags[t % 2], cutlass.Uint32)
-            o0 = fp4x8_to_f16x2x4(b_words[0][t], *b_sc[0][t // 2])
-            o1 = fp4x8_to_f16x2x4(b_words[1][t], *b_sc[1][t // 2])
+            o0 = fp4x8_to_f16x2x4(b_words[0][t], *b_sc[0][t // 2], bf16)
+            o1 = fp4x8_to_f16x2x4(b_words[1][t], *b_sc[1][t // 2], bf16)
             for i in cutlass.range_constexpr(4):
                 step = i // 2
                 slot = i % 2

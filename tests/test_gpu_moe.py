@@ -3,7 +3,9 @@ NaN-poisoned (rows no expert covers must stay unwritten), empty experts, all tok
 widths next to every tile width, fp16 and bf16 out, with and without alpha; the preparation kernel's tables and
 work list against `plan_reference`; calls back to back on one queue with new routings and no sync between them
 (they share one set of buffers); a CUDA graph replayed after new routing is written into the captured tensors;
-and torch.compile(fullgraph=True) of a function that calls the entry.
+and torch.compile(fullgraph=True) of a function that calls the entry. W4A16 (16-bit A, Hopper): bf16 and fp16 A of
+magnitudes over 2^-8 .. 2^8 against the same float64 decode of B, every build and tile width, empty experts, alpha,
+15 calls back to back; a B200 refuses it.
 
 Skipped without an sm_90 or sm_100 GPU and nvidia-cutlass-dsl (on a B200 they have never run: no B200 here)."""
 import pytest
@@ -49,12 +51,19 @@ class Layer:
             torch.float8_e4m3fn)
         return a, a_scale
 
+    def tokens16(self, t, dtype):
+        """W4A16 activations [t, K] in `dtype`: normal values times 2^-8 .. 2^8 per row and column block."""
+        a = torch.randn((t, self.k), device="cuda", generator=self.gen)
+        mag = torch.randint(-8, 9, (t, self.k // 16), device="cuda", generator=self.gen).repeat_interleave(16, 1)
+        return (a * torch.exp2(mag.float())).to(dtype), None
+
     def expected(self, a, a_scale, offs, alpha):
-        """float64 decode with moe's clamping of offs; rows no expert covers are NaN."""
+        """float64 decode with moe's clamping of offs; rows no expert covers are NaN. a_scale None: A's values
+        (W4A16)."""
         t = a.shape[0]
         out = torch.full((t, self.n), float("nan"), dtype=torch.float64, device="cuda")
         bound = torch.zeros_like(out)
-        a64 = _decode(a, a_scale)
+        a64 = a.to(torch.float64) if a_scale is None else _decode(a, a_scale)
         prev = 0
         for e, end in enumerate(offs.tolist()):
             end = min(max(end, prev, 0), t)
@@ -127,13 +136,71 @@ def test_results_and_schedule(case, out_dtype):
         _check_schedule(moe, layer, offs, t, out_dtype)
 
 
-def _check_schedule(moe, layer, offs, t, out_dtype):
+@pytest.mark.skipif(CAPABILITY != (9, 0), reason="W4A16 is the Hopper path")
+@pytest.mark.parametrize("a_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}-N{c[1]}-K{c[2]}-{c[3]}")
+def test_w4a16_results_and_schedule(case, a_dtype):
+    """16-bit A as it is, B converted exactly to A's type: out (in A's type) within half an ulp plus the fp32
+    accumulation bound of the float64 product, over every build and tile width, with and without alpha."""
+    import moe
+
+    e, n, k, pattern = case
+    layer = Layer(e, n, k, seed=e + n + 1)
+    gen = torch.Generator().manual_seed(k + 1)
+    for with_alpha in (True, False):
+        counts = _counts(e, pattern, gen)
+        t = sum(counts) + 5
+        a, _ = layer.tokens16(t, a_dtype)
+        offs = _offs(counts)
+        alpha = layer.alpha if with_alpha else None
+        out = torch.full((t, n), float("nan"), dtype=a_dtype, device="cuda")
+        moe.nvfp4_moe_mm(a, None, layer.b, layer.b_scale, offs, alpha, out=out)
+        torch.cuda.synchronize()
+        expected, bound = layer.expected(a, None, offs, alpha)
+        _check(out, expected, bound, a_dtype)
+        _check_schedule(moe, layer, offs, t, a_dtype, moe.A16_INPUTS[a_dtype])
+
+
+@pytest.mark.skipif(CAPABILITY != (9, 0), reason="W4A16 is the Hopper path")
+def test_w4a16_back_to_back():
+    """15 W4A16 calls queued with no sync, new routing and tokens each, between NVFP4 calls on the same layer."""
+    import moe
+
+    layer = Layer(32, 256, 1024, seed=23)
+    gen = torch.Generator().manual_seed(9)
+    calls = []
+    for i in range(15):
+        counts = _counts(32, "random", gen)
+        t = sum(counts)
+        a, a_scale = layer.tokens16(t, torch.bfloat16) if i % 3 else layer.tokens(t)
+        out = torch.full((t, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+        calls.append((a, a_scale, _offs(counts), out))
+    torch.cuda.synchronize()
+    for a, a_scale, offs, out in calls:
+        moe.nvfp4_moe_mm(a, a_scale, layer.b, layer.b_scale, offs, layer.alpha, out=out)
+    torch.cuda.synchronize()
+    for a, a_scale, offs, out in calls:
+        expected, bound = layer.expected(a, a_scale, offs, layer.alpha)
+        _check(out, expected, bound, torch.bfloat16)
+
+
+@pytest.mark.skipif(CAPABILITY != (10, 0), reason="the B200's refusal")
+def test_w4a16_refused_on_b200():
+    import moe
+
+    layer = Layer(8, 256, 512, seed=3)
+    a, _ = layer.tokens16(16, torch.bfloat16)
+    with pytest.raises(ValueError, match="runs on Hopper only"):
+        moe.nvfp4_moe_mm(a, None, layer.b, layer.b_scale, _offs([2] * 8), None)
+
+
+def _check_schedule(moe, layer, offs, t, out_dtype, a_input="fp4"):
     """The preparation kernel's size rows and work list are `plan_reference`'s (B200: its size rows, and the tile
     count the persistent kernel reads)."""
     b200 = CAPABILITY == (10, 0)
     build = "b200" if b200 else moe.choose_build(t, layer.e)
     launch = [v for key, v in moe._launches.items() if key[2:5] == (layer.e, layer.n, layer.k)
-              and key[6] == build and key[7] == out_dtype][-1]
+              and key[6] == build and key[7] == out_dtype and key[8] == a_input][-1]
     widths = moe.moe_builds()["narrow" if b200 else build].widths
     grid = torch.cuda.get_device_properties(0).multi_processor_count
     plan = moe.plan_reference(offs, t, layer.n, layer.k, widths, grid)

@@ -111,7 +111,27 @@ def test_fake_implementations_give_the_output_shape():
     torch.ops.nvfp4_moe.mm_out(*args.values(), target)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_a_is_w4a16(dtype):
+    """16-bit A [T, K] with no a_scale: the same T, E, N, K, and A's kind for the GEMM's `a_input`; the fakes
+    give the output's shape."""
+    args = _meta_args(device="cpu")
+    args.update(a=torch.empty(64, 512, dtype=dtype), a_scale=None)
+    with pytest.raises(ValueError, match="CUDA GPU"):  # every check but the device's passed
+        moe.check_moe_args(*args.values(), None, torch.float16)
+    meta = _meta_args()
+    meta.update(a=torch.empty(64, 512, dtype=dtype, device="meta"), a_scale=None)
+    assert moe.check_moe_args(*meta.values(), None, torch.float16, storage=False) == (
+        64, 8, 256, 512, torch.float16, moe.A16_INPUTS[dtype])
+    out = torch.ops.nvfp4_moe.mm(*meta.values(), torch.bfloat16)
+    assert out.shape == (64, 256) and out.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("change, message", [
+    (dict(a=torch.empty(64, 512, dtype=torch.bfloat16)), "a_scale must be None with torch.bfloat16 a"),
+    (dict(a=torch.empty(64, 256, dtype=torch.float16), a_scale=None), "b must be .* K/2 = 128"),
+    (dict(a_scale=None), "a_scale must be .* with NVFP4 a; got None"),
+    (dict(a=torch.empty(64, 256, dtype=torch.float32)), "or \\[T, K\\] bfloat16 or float16"),
     (dict(a_scale=torch.empty(64, 16, dtype=torch.uint8)), "a_scale must be"),
     (dict(b_scale=torch.empty(8, 256, 32, dtype=torch.float8_e4m3fn)), "prepare_moe_weights"),
     (dict(offs=torch.empty(8, dtype=torch.int64)), "offs must be int32"),
@@ -153,6 +173,16 @@ def test_another_gpu_is_refused_in_one_line(monkeypatch):
     with pytest.raises(submission.UnsupportedDeviceError, match="Hopper .sm_90. and B200 .sm_100. GPUs; this GPU is sm_8x"):
         moe._launch_for(torch.device("cuda", 0), 0, 64, 8, 256, 512, torch.bfloat16)
     assert not moe._launches
+
+
+def test_b200_refuses_sixteen_bit_a_in_one_line(monkeypatch):
+    """W4A16 is a Hopper path: a B200 names what it takes instead, before anything is built or allocated."""
+    import submission
+
+    monkeypatch.setattr(submission, "_device_capability", lambda index: (10, 0))
+    with pytest.raises(ValueError, match="16-bit a .W4A16. runs on Hopper only; on a B200 give NVFP4 a") as info:
+        moe._launch_for(torch.device("cuda", 0), 0, 64, 8, 256, 512, torch.bfloat16, "bf16")
+    assert "\n" not in str(info.value) and not moe._launches
 
 
 @pytest.mark.parametrize("rows, k", [(1, 256), (127, 512), (128, 256), (129, 1024), (300, 768)])

@@ -8,7 +8,7 @@ so that sum_k Alog[m, k] * Blog[n, k] * 2^21 equals the exact dequantized produc
 times 2^7, B's as they are: a consumer thread's two scale bytes of a row in one 16-bit load and one conversion,
 each multiplied as a broadcast half).
 It mirrors the constants and formulas of submission_sm90.py's helpers (scale_to_f16x2, scale_pair_to_f16x2,
-fp4x8_to_f16x2x4, the transform and consumer index math): change both together.
+fp4x8_to_f16x2x4, their bf16 forms for W4A16, the transform and consumer index math): change both together.
 """
 import numpy as np
 import torch
@@ -74,6 +74,39 @@ def fp4x8_to_f16x2x4(w, sc, half=None):
     return [f16x2_mul(r, sc) for r in (r0, r1, r2, r3)]
 
 
+def bf16_halves(u):
+    return torch.tensor([u & 0xFFFF, u >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).double().numpy()
+
+
+def bf16_bits(values) -> int:
+    h = torch.tensor(values, dtype=torch.float64).to(torch.bfloat16).view(torch.int16).int().numpy() & 0xFFFF
+    return int(h[0]) | (int(h[1]) << 16)
+
+
+def bf16x2_mul(a, b):
+    # mul.rn.bf16x2 with subnormal operands kept: the float64 product (exact here) rounded to bf16
+    return bf16_bits(bf16_halves(a) * bf16_halves(b))
+
+
+def scale_pair_to_bf16x2(pair):
+    # scale_pair_to_f16x2(..., bf16=True): the fp16 pair through fp32, times 2^112, to bf16x2
+    return bf16_bits(halves(scale_pair_to_f16x2(pair)) * 2.0 ** 112)
+
+
+def fp4x8_to_bf16x2x4(w, sc, half):
+    # fp4x8_to_f16x2x4(..., bf16=True): each fp16 code h (bits 15, 11, 10, 9) to the bf16 code with the bits at
+    # 15, 8, 7, 6 by one shift and one lop3 (LUT 0xE4: (h & c) | (t & ~c)), then the bf16 product
+    sc = broadcast(sc, half)
+    u = w & 0xF0F0F0F0
+    t = u >> 3
+    lw = w & 0x0F0F0F0F
+    a, b = (lw << 4) & M32, (lw << 1) & M32
+    codes = (lop3_or_and(a, b, 0x008E008E) << 8) & M32, (lop3_or_and(u, t, 0x008E008E) << 8) & M32, \
+        lop3_or_and(a, b, 0x8E008E00), lop3_or_and(u, t, 0x8E008E00)
+    c = 0x90009000
+    return [bf16x2_mul((h & c) | ((h >> 3) & ~c & M32), sc) for h in codes]
+
+
 def halves(u):
     return np.array([u & 0xFFFF, u >> 16], np.uint16).view(np.float16).astype(np.float64)
 
@@ -116,6 +149,31 @@ def check_bit_tricks():
                 for reg in fp4x8_to_f16x2x4(word, sc, half):
                     assert (halves(reg) == E2M1[code] * e4m3[v] * 2.0 ** -14).all(), (code, v, half)
     print("bit tricks: exact for all e4m3 codes and random e2m1 words")
+
+
+def check_bf16_bit_tricks():
+    # W4A16 with bf16 A: every e2m1 code times every e4m3 code, in either half of the scale pair, is the product
+    # times 2^-14 exactly (the fp16 path's encoding), e2m1 0.5 a bf16 subnormal before the product
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64).numpy()
+    for v in range(256):
+        got = bf16_halves(scale_pair_to_bf16x2((v << 8) | 0x5A))
+        assert got[0] == e4m3[0x5A] * 2.0 ** 112 and ((np.isnan(e4m3[v]) and np.isnan(got[1]))
+                                                        or got[1] == e4m3[v] * 2.0 ** 112), v
+        if v & 0x7F == 0x7F:
+            continue
+        for code in range(16):
+            word = code * 0x11111111
+            for half in range(2):
+                sc = scale_pair_to_bf16x2((v << (8 * half)) | (0x3C << (8 * (1 - half))))
+                for reg in fp4x8_to_bf16x2x4(word, sc, half):
+                    assert (bf16_halves(reg) == E2M1[code] * e4m3[v] * 2.0 ** -14).all(), (code, v, half)
+    # random words: the register order and the nibble pairing are the fp16 path's
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        w, s = int(rng.integers(0, 2 ** 32)), int(rng.integers(0, 0x7F))
+        sc16, sc = scale_pair_to_f16x2(s), scale_pair_to_bf16x2(s)
+        for r16, r in zip(fp4x8_to_f16x2x4(w, sc16, 0), fp4x8_to_bf16x2x4(w, sc, 0)):
+            assert (halves(r16) == bf16_halves(r)).all(), (hex(w), s)
 
 
 def sw64(row, chunk16):
@@ -217,6 +275,10 @@ def check_chunk(seed=0):
 
 def test_bit_tricks_exact_for_every_code():
     check_bit_tricks()
+
+
+def test_bf16_bit_tricks_exact_for_every_code():
+    check_bf16_bit_tricks()
 
 
 def test_chunk_k_permutation_matches_between_operands():
