@@ -35,6 +35,7 @@ import dataclasses
 import math
 import statistics
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -160,15 +161,18 @@ class Router:
 
 def worst_error_ratio(a, a_scale, b, b_scale, offs, out) -> float:
     """Largest |out - exact| / tolerance (CHECK_TOL) over every row the routing covers, exact = the float64
-    decode of A [rows, K/2] with its scales times each expert's B [N, K/2] with b_scale [N, K/16]; inf for a
-    non-finite element, a wrong shape or offs not ending at the row count."""
+    decode of A [rows, K/2] with its scales (a_scale None: A's 16-bit values, W4A16) times each expert's B
+    [N, K/2] with b_scale [N, K/16]; inf for a non-finite element, a wrong shape or offs not ending at the row
+    count."""
     ends, rows, n = offs.tolist(), a.shape[0], b.shape[1]
     if tuple(out.shape) != (rows, n) or not ends or ends[-1] != rows:
         return math.inf
     worst, start = 0.0, 0
     for e, end in enumerate(ends):
         if end > start:
-            a64, b64 = bench_moe.dequantize(a[start:end], a_scale[start:end]), bench_moe.dequantize(b[e], b_scale[e])
+            a64 = (a[start:end].to(torch.float64) if a_scale is None
+                   else bench_moe.dequantize(a[start:end], a_scale[start:end]))
+            b64 = bench_moe.dequantize(b[e], b_scale[e])
             worst = max(worst, bench_moe.block_error_ratio(a64, b64, out[start:end], CHECK_TOL))
         start = max(start, end)
     return worst
@@ -274,6 +278,7 @@ class Row:
     peers: dict = dataclasses.field(default_factory=dict)  # name -> (wall µs per step, kernel µs)
     floor: Optional[float] = None  # weight floor µs
     worst: Optional[float] = None
+    worst16: Optional[float] = None  # the W4A16 steps' check
     error: Optional[str] = None
 
 
@@ -316,9 +321,13 @@ def run_case(case: MoeCase, steps: int, check_steps: int, rate: float, bench, hu
     def gemm(a, a_scale, offs):
         moe.nvfp4_moe_mm(a, a_scale, wb, ws, offs, out=out)
 
+    def gemm16(a, offs):  # W4A16: the same weights, bf16 activations as they are
+        moe.nvfp4_moe_mm(a, None, wb, ws, offs, out=out)
+
     active = statistics.fmean(active_experts(router.route()[1]) for _ in range(ACTIVE_DRAWS))
     floor = weight_floor(case.n, case.k, active, rate)[1]
-    eager = Row(case, "eager", floor=floor, worst=0.0 if check_steps else None)
+    eager = Row(case, "eager", floor=floor, worst=0.0 if check_steps else None,
+                worst16=0.0 if check_steps else None)
     rows.append(eager)
     say(f"{active:.1f} of {case.experts} experts active on average; {check_steps} checked steps (compiles first)")
     for _ in range(check_steps):
@@ -326,6 +335,10 @@ def run_case(case: MoeCase, steps: int, check_steps: int, rate: float, bench, hu
         out.fill_(math.nan)
         gemm(*inputs)
         eager.worst = max(eager.worst, worst_error_ratio(inputs[0], inputs[1], b, b_scale, inputs[2], out))
+        a16, offs16 = router.dense(torch.bfloat16)
+        out.fill_(math.nan)
+        gemm16(a16, offs16)
+        eager.worst16 = max(eager.worst16, worst_error_ratio(a16, None, b, b_scale, offs16, out))
     say(f"eager: {steps} steps, then {steps} steps one at a time")
     eager.wall, eager.host = time_steps(router.nvfp4, gemm, steps)
     eager.routing, eager.kernel = time_parts(router.nvfp4, gemm, steps)
@@ -335,7 +348,8 @@ def run_case(case: MoeCase, steps: int, check_steps: int, rate: float, bench, hu
     except Exception as err:  # the eager row stays; the run goes on to the peers
         harness.progress(f"[{case.name}] CUDA graphs failed: {one_line(err)}")
         rows.append(Row(case, "graph", error=one_line(err, 120)))
-    peers = [("grouped_mm", lambda: grouped_mm_peer(case, b, b_scale, router, device))]
+    peers = [("w4a16", lambda: (lambda: router.dense(torch.bfloat16), gemm16)),
+             ("grouped_mm", lambda: grouped_mm_peer(case, b, b_scale, router, device))]
     peers += [("humming", lambda: humming_peer(bench, case, b, b_scale, router))] if humming else []
     for name, build in peers:
         say(f"{name}: its weights made (not timed; humming compiles its kernels on a first run: minutes), eager steps")
@@ -390,23 +404,26 @@ def one_line(err: BaseException, limit: int = 200) -> str:
 # The table
 # ---------------------------------------------------------------------------------------------------------
 HEADER = ("case", "T × top-k", "mode", "wall µs/step", "host µs/call", "kernel µs", "routing µs",
-          "grouped_mm wall µs/step", "grouped_mm kernel µs", "humming wall µs/step", "humming kernel µs",
-          "weight floor µs (time/floor)", "check err/tol")
+          "W4A16 wall µs/step", "W4A16 kernel µs (/floor)", "grouped_mm wall µs/step", "grouped_mm kernel µs", "humming wall µs/step", "humming kernel µs",
+          "weight floor µs (time/floor)", "W4A16 check err/tol", "check err/tol")
 
 
 def row_cells(row: Row) -> list:
     us = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     cells = [f"{row.case.layer} ({row.case.name})", f"{row.case.tokens} × {row.case.top_k}", row.mode,
              us(row.wall), us(row.host), us(row.kernel), us(row.routing)]
-    for peer in ("grouped_mm", "humming"):
-        cells += [us(v) for v in row.peers.get(peer, (None, None))]
+    for peer in ("w4a16", "grouped_mm", "humming"):
+        wall, kernel = row.peers.get(peer, (None, None))
+        cells += [us(wall), us(kernel) + (f" ({kernel / row.floor:.2f}×)" if peer == "w4a16" and kernel and row.floor
+                                          else "")]
     against = row.kernel if row.kernel is not None else row.wall
     cells.append("-" if row.floor is None else f"{row.floor:.1f}"
                  + ("" if against is None else f" ({against / row.floor:.2f}×)"))
     if row.error:
-        cells.append(f"ERROR: {row.error}")
+        cells += ["-", f"ERROR: {row.error}"]
     else:
-        cells.append("-" if row.worst is None else f"{row.worst:.3f}" + ("" if row.worst <= 1 else " FAIL"))
+        cells += ["-" if worst is None else f"{worst:.3f}" + ("" if worst <= 1 else " FAIL")
+                  for worst in (row.worst16, row.worst)]
     return cells
 
 
@@ -423,13 +440,15 @@ def notes_lines(gpu: str, rate: float, steps: int, check_steps: int, humming_not
         "kernel and routing: medians of a loop waiting for the GPU every step, L2 flushed and ~1 ms of GPU "
         "spin queued before each (the GPU's time, not the launches'), events around each part (routing = experts "
         "drawn, sorted, offs, activations drawn and gathered).",
-        "Peers on the eager row, on bf16 (grouped_mm) or fp16 (humming) activations drawn the same way, their weights "
-        "dequantized or transformed beforehand (not timed); a peer's wall includes its routing.",
+        "W4A16: nvfp4_moe_mm on bf16 activations as they are (a_scale None), the same prepared weights, timed as the "
+        "peers. Peers on the eager row, on bf16 (grouped_mm) or fp16 (humming) activations drawn the same way, their "
+        "weights dequantized or transformed beforehand (not timed); a peer's wall includes its routing.",
         f"Weight floor: B + SFB bytes of the experts that receive tokens (mean of {ACTIVE_DRAWS} routings) at "
         f"{rate / 1e12:.2f} TB/s, the DRAM read rate measured here (x.sum() over 4 GiB; bench_moe's constant: "
         f"{bench_moe.DRAM_READ_BYTES_PER_S / 1e12} TB/s); time/floor uses kernel µs, wall for graph rows.",
-        f"Check: {check_steps} eager steps and one replay of the routing + GEMM graph, out NaN-poisoned, every routed "
-        "row against a float64 decode: |out - exact| <= 1e-2 + 1e-2 |exact| + 2^-24 sqrt(K) sum|a b|; above 1 fails.",
+        f"Check: {check_steps} eager steps (NVFP4 A, then W4A16) and one replay of the routing + GEMM graph, out "
+        "NaN-poisoned, every routed row against a float64 decode: |out - exact| <= 1e-2 + 1e-2 |exact| + 2^-24 sqrt(K) "
+        "sum|a b|; above 1 fails.",
     ] + ([f"{humming_note}: the humming cells stay empty."] if humming_note else
          ["humming: W4A16 (fp16 A x NVFP4 B), its output not checked here (bench.py's default run checks it)."])
 
@@ -471,6 +490,79 @@ def schedule_lines(cases: list, calls: int = 10) -> list:
     return lines
 
 
+def benchmark_w4a16_lines(bench, humming: bool, rate: float, calls: int = 10, cases: Optional[list] = None,
+                          device: str = "cuda") -> list:
+    """W4A16 on task.yml's four benchmark shapes (each group an expert of the entry, its rows fixed): per shape one
+    set of weights (random codes, bench_moe's B scales) and activations (normal, bf16; fp16 the same values
+    rounded); kernel µs of nvfp4_moe_mm with bf16 and with fp16 A, of humming (fp16 A, its weights transformed
+    beforehand) and of torch._grouped_mm (bf16, dequantized beforehand), bench_moe's timing (median of `calls`,
+    each alone, L2 flushed); the floor: B, SFB, A (2 bytes) and C (2 bytes) at the measured DRAM rate. Every
+    output checked against the float64 product (CHECK_TOL). cases: (M list, N, K) each; task.yml's by default."""
+    import moe
+
+    lines = ["| benchmark (G × M, N, K) | W4A16 bf16 A µs | W4A16 fp16 A µs | humming fp16 A µs | humming / ours (fp16 A) "
+             "| grouped_mm bf16 µs | floor µs (ours bf16 / floor) | worst err/tol (bf16, fp16; humming) |",
+             "|---|---|---|---|---|---|---|---|"]
+    if cases is None:
+        cases = [(list(c.args["m"]), c.args["n"][0], c.args["k"][0])
+                 for c in harness.load_cases(str(Path(__file__).resolve().parent / "task.yml"), "benchmarks")]
+    for index, (ms, n, k) in enumerate(cases):
+        g, rows = len(ms), sum(ms)
+        harness.progress(f"[W4A16 benchmark {index}] G={g} M={ms} N={n} K={k}")
+        gen = torch.Generator(device).manual_seed(1111 + index)
+        codes = torch.randint(0, 256, (g, n, k // 2), generator=gen, dtype=torch.uint8, device=device)
+        pool = scale_pool(bench_moe.B_SCALE_EXP_MAX, device)
+        scales = pool[torch.randint(0, len(pool), (g, n, k // 16), generator=gen, device=device)].view(
+            torch.float8_e4m3fn)
+        wb, ws = moe.prepare_moe_weights(codes, scales)
+        offs = torch.tensor(ms, device=device).cumsum(0).to(torch.int32)
+        a = torch.randn((rows, k), generator=gen, device=device).to(torch.bfloat16)
+        times, worst = {}, {}
+        for name, a_in in (("bf16", a), ("fp16", a.to(torch.float16))):
+            out = torch.full((rows, n), math.nan, dtype=a_in.dtype, device=device)
+            times[name] = bench_moe.median_us(lambda: moe.nvfp4_moe_mm(a_in, None, wb, ws, offs, out=out), calls)
+            worst[name] = worst_error_ratio(a_in, None, codes, scales, offs, out)
+        w16 = torch.stack([bench_moe.dequantize(codes[e], scales[e], torch.float32) for e in range(g)]).to(
+            torch.bfloat16).transpose(1, 2)
+        times["grouped_mm"] = bench_moe.median_us(lambda: torch._grouped_mm(a, w16, offs=offs), calls)
+        del w16
+        if humming:
+            try:
+                times["humming"], worst["humming"] = humming_dense(bench, ms, n, k, codes, scales, a, calls)
+            except Exception as err:
+                harness.progress(f"[W4A16 benchmark {index}] humming failed: {one_line(err)}")
+        floor = (g * (n * k // 2 + n * k // 16) + rows * k * 2 + rows * n * 2) / rate * 1e6
+        us = lambda name: f"{times[name]:.1f}" if name in times else "-"  # noqa: E731
+        ratio = f"{times['humming'] / times['fp16']:.2f}" if "humming" in times else "-"
+        lines.append(f"| {index}: {g} × {ms}, {n}, {k} | {us('bf16')} | {us('fp16')} | {us('humming')} | {ratio} | "
+                     f"{us('grouped_mm')} | {floor:.1f} ({times['bf16'] / floor:.2f}×) | {worst['bf16']:.3f}, "
+                     f"{worst['fp16']:.3f}; " + (f"{worst['humming']:.3f}" if "humming" in worst else "-") + " |")
+        del codes, scales, wb, ws, a
+        torch.cuda.empty_cache()
+    return lines
+
+
+def humming_dense(bench, ms: list, n: int, k: int, codes, scales, a, calls: int) -> tuple:
+    """(median µs, worst err/tol) of humming's grouped W4A16 GEMM on fixed groups `ms`: fp16 A (a's values),
+    B's codes and scales through humming's transform (not timed)."""
+    from humming import ops
+    from humming.transform import transform_humming_tensors
+
+    layer, _, kernel = bench._with_compiler_fallback(lambda: bench._humming_kernel(n, k, ms))
+    w = transform_humming_tensors(layer, {"weight": codes.view(torch.int32), "weight_scale": scales,
+                                          "weight_scale_2": torch.ones(len(ms), dtype=torch.float32, device="cuda")})
+    locks = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    layout = torch.tensor(bench.humming_expert_layout(ms), dtype=torch.int32, device="cuda")
+    a16 = a.to(torch.float16)
+    out = torch.full((a.shape[0], n), math.nan, dtype=torch.float16, device="cuda")
+
+    def call():
+        ops.launch_kernel(configs=kernel, inputs=a16, weight=w["weight"], weight_scale=w["weight_scale"],
+                          weight_scale_2=w["weight_scale_2"], outputs=out, expert_layout=layout, locks=locks)
+    took = bench_moe.median_us(call, calls)
+    return took, worst_error_ratio(a16, None, codes, scales, torch.tensor(ms, device="cuda").cumsum(0), out)
+
+
 def main(args, bench, device="cuda") -> int:
     """bench.py --moe --serving after bench.py parsed its options (bench: that module, for humming's helpers)."""
     cases = select_cases(args.serving_cases)
@@ -490,7 +582,13 @@ def main(args, bench, device="cuda") -> int:
         torch.cuda.empty_cache()
     print("\n".join(table_lines(rows) + [""] + notes_lines(torch.cuda.get_device_name(), rate, steps, check_steps,
                                                            humming_note) + notes), flush=True)
-    failed = any(row.error or (row.worst or 0) > 1 for row in rows)
+    failed = any(row.error or (row.worst or 0) > 1 or (row.worst16 or 0) > 1 for row in rows)
+    if torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:  # W4A16: Hopper's
+        lines = benchmark_w4a16_lines(bench, humming_note is None, rate)
+        print("\n".join(["", "W4A16 on the four benchmark shapes (kernel µs, each call alone, L2 flushed):"] + lines),
+              flush=True)
+        failed = failed or any(float(x) > 1 for line in lines[2:] for x in line.split("|")[8].replace(";", ",")
+                               .split(",")[:2])
     if getattr(args, "serving_schedule", None):
         lines = schedule_lines(cases)
         print("\n".join(["", "Schedule: bench_moe's routing and inputs; kernel µs as bench.py --moe times them."]

@@ -160,10 +160,13 @@ def test_table_cells():
     head, rule, line = bs.table_lines([row])
     assert head.count("|") == rule.count("|") == line.count("|") == len(bs.HEADER) + 1
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells == ["Tiny gate/up (tiny)", "6 × 2", "eager", "20.0", "3.2", "10.0", "5.0", "50.0", "40.0", "-", "-",
-                     "4.0 (2.50×)", "0.500"]
+    assert cells == ["Tiny gate/up (tiny)", "6 × 2", "eager", "20.0", "3.2", "10.0", "5.0", "-", "-", "50.0", "40.0",
+                     "-", "-", "4.0 (2.50×)", "-", "0.500"]
+    w4a16 = bs.Row(TINY, "eager", kernel=10.0, floor=4.0, worst=0.5, worst16=2.0, peers={"w4a16": (12.0, 6.0)})
+    cells = [c.strip() for c in bs.table_lines([w4a16])[2].strip("|").split("|")]
+    assert cells[7:9] == ["12.0", "6.0 (1.50×)"] and cells[-2:] == ["2.000 FAIL", "0.500"]
     graph = bs.Row(TINY, "graph: GEMM alone", wall=8.0, host=1.0, floor=4.0)
-    assert [c.strip() for c in bs.table_lines([graph])[2].strip("|").split("|")][-2:] == ["4.0 (2.00×)", "-"]
+    assert [c.strip() for c in bs.table_lines([graph])[2].strip("|").split("|")][-3:] == ["4.0 (2.00×)", "-", "-"]
     failed = bs.Row(TINY, "eager", worst=1.5)
     assert bs.table_lines([failed])[2].endswith(" 1.500 FAIL |")
 
@@ -204,7 +207,8 @@ def cpu_run(monkeypatch, capsys):
         ends = offs.tolist()
         for i, (s, e) in enumerate(zip([0] + ends[:-1], ends)):
             if e > s:
-                out[s:e] = (dequant_f64(a[s:e], a_scale[s:e]) @ dequant_f64(b[i], plain[i]).T).to(out.dtype)
+                a64 = a[s:e].double() if a_scale is None else dequant_f64(a[s:e], a_scale[s:e])  # W4A16: as it is
+                out[s:e] = (a64 @ dequant_f64(b[i], plain[i]).T).to(out.dtype)
         return out
 
     fake_moe = types.SimpleNamespace(prepare_moe_weights=__import__("moe").prepare_moe_weights,
@@ -237,7 +241,9 @@ def test_a_whole_run_prints_three_checked_rows(cpu_run):
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:5]]
     assert [r[2] for r in rows] == ["eager", "graph: routing + GEMM", "graph: GEMM alone"]
     assert float(rows[0][-1]) <= 1 and float(rows[1][-1]) <= 1 and rows[2][-1] == "-"
-    assert all(float(rows[0][i]) >= 0 for i in (3, 4, 5, 6)) and rows[1][5] == "-"
+    assert float(rows[0][-2]) <= 1 and rows[1][-2] == rows[2][-2] == "-"  # the W4A16 steps' check
+    assert all(float(rows[0][i]) >= 0 for i in (3, 4, 5, 6, 7)) and rows[1][5] == "-"
+    assert float(rows[0][8].split()[0]) >= 0 and rows[0][8].endswith("×)")  # W4A16 kernel µs (/floor)
     assert lines[6].startswith("Stand-in GPU; nvfp4_moe_mm with bf16 out; 3 steps per loop")
     assert "humming column left out (--no-humming): the humming cells stay empty." in lines
     assert "[1/1] tiny" in err and "[tiny] CUDA graphs" in err
@@ -251,10 +257,38 @@ def test_a_wrong_gemm_fails_the_run(cpu_run, monkeypatch):
     assert code == 1 and lines[2].endswith(" FAIL |") and lines[3].endswith(" FAIL |")
 
 
+def test_a_wrong_w4a16_result_fails_the_run(cpu_run, monkeypatch):
+    moe = sys.modules["moe"]
+    right = moe.nvfp4_moe_mm
+    monkeypatch.setattr(moe, "nvfp4_moe_mm", lambda a, s, *rest, out: right(a, s, *rest, out=out).add_(
+        1.0 if s is None else 0.0))
+    code, lines, _ = cpu_run(check_steps=1)
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert code == 1 and cells[-2].endswith(" FAIL") and float(cells[-1]) <= 1
+
+
+def test_w4a16_benchmark_table_on_tiny_shapes(cpu_run, monkeypatch):
+    """The benchmark-shape table with the reference as the GEMM and time stood in for: its cells, the floor by
+    hand, the checks; a wrong W4A16 output shows above 1."""
+    monkeypatch.setattr(bench_moe, "median_us", lambda fn, calls: (fn(), 7.0)[1])
+    cases = [([40, 0, 24], 256, 256), ([8], 128, 512)]
+    lines = bs.benchmark_w4a16_lines(bench, False, 4e12, cases=cases, device="cpu")
+    assert len(lines) == 4 and lines[0].startswith("| benchmark")
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    floor = (3 * (256 * 128 + 256 * 16) + 64 * 256 * 2 + 64 * 256 * 2) / 4e12 * 1e6
+    assert cells[1:7] == ["7.0", "7.0", "-", "-", "7.0", f"{floor:.1f} ({7.0 / floor:.2f}×)"]
+    assert [float(x) <= 1 for x in cells[7].split(";")[0].split(",")] == [True, True]
+    moe = sys.modules["moe"]
+    right = moe.nvfp4_moe_mm
+    monkeypatch.setattr(moe, "nvfp4_moe_mm", lambda *a, out: right(*a, out=out).add_(1.0))
+    bad = bs.benchmark_w4a16_lines(bench, False, 4e12, cases=cases[:1], device="cpu")
+    assert all(float(x) > 1 for x in bad[2].split("|")[8].split(";")[0].split(","))
+
+
 def test_a_graph_that_cannot_be_captured_is_its_row_and_the_peers_still_run(cpu_run, monkeypatch):
     monkeypatch.setattr(bs, "capture", lambda fn, side: (_ for _ in ()).throw(RuntimeError("capture\nrefused")))
     code, lines, err = cpu_run(check_steps=1)
     assert code == 1 and lines[3].endswith("| ERROR: RuntimeError: capture refused |")
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells[2] == "eager" and float(cells[-1]) <= 1 and "[tiny] CUDA graphs failed" in err
-    assert cells[7] != "-" or any(line.startswith("grouped_mm on tiny: failed") for line in lines)
+    assert cells[9] != "-" or any(line.startswith("grouped_mm on tiny: failed") for line in lines)
