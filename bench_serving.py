@@ -315,14 +315,15 @@ def run_case(case: MoeCase, steps: int, check_steps: int, rate: float, bench, hu
     say = lambda what: harness.progress(f"[{case.name}] {what}")  # noqa: E731
     b, b_scale = make_weights(case, device)
     wb, ws = moe.prepare_moe_weights(b, b_scale)
+    wb16 = moe.prepare_moe_weights(b, b_scale, w4a16=True)[0]  # W4A16's order of the codes (same scales)
     router = Router(case, device)
     out = torch.empty((case.tokens * case.top_k, case.n), dtype=torch.bfloat16, device=device)
 
     def gemm(a, a_scale, offs):
         moe.nvfp4_moe_mm(a, a_scale, wb, ws, offs, out=out)
 
-    def gemm16(a, offs):  # W4A16: the same weights, bf16 activations as they are
-        moe.nvfp4_moe_mm(a, None, wb, ws, offs, out=out)
+    def gemm16(a, offs):  # W4A16: the same weights in its order, bf16 activations as they are
+        moe.nvfp4_moe_mm(a, None, wb16, ws, offs, out=out)
 
     active = statistics.fmean(active_experts(router.route()[1]) for _ in range(ACTIVE_DRAWS))
     floor = weight_floor(case.n, case.k, active, rate)[1]
@@ -514,7 +515,7 @@ def benchmark_w4a16_lines(bench, humming: bool, rate: float, calls: int = 10, ca
         pool = scale_pool(bench_moe.B_SCALE_EXP_MAX, device)
         scales = pool[torch.randint(0, len(pool), (g, n, k // 16), generator=gen, device=device)].view(
             torch.float8_e4m3fn)
-        wb, ws = moe.prepare_moe_weights(codes, scales)
+        wb, ws = moe.prepare_moe_weights(codes, scales, w4a16=True)
         offs = torch.tensor(ms, device=device).cumsum(0).to(torch.int32)
         a = torch.randn((rows, k), generator=gen, device=device).to(torch.bfloat16)
         times, worst = {}, {}
@@ -571,17 +572,20 @@ def main(args, bench, device="cuda") -> int:
     harness.progress("measuring the DRAM read rate (x.sum() over 4 GiB)")
     rate = dram_read_rate()
     rows, notes = [], []
+    print("\n".join(table_lines([])), flush=True)  # the header; each case's rows as soon as they are measured
     for idx, case in enumerate(cases):
         harness.progress(f"[{idx + 1}/{len(cases)}] {case.name}: {case.layer}, N {case.n} K {case.k}, "
                          f"{case.experts} experts, {case.tokens} tokens x top-{case.top_k}")
+        done = len(rows)
         try:
             run_case(case, steps, check_steps, rate, bench, humming_note is None, rows, notes, torch.device(device))
         except Exception as err:  # one case's failure is its row, and the run goes on
             harness.progress(f"[{case.name}] failed: {one_line(err)}")
             rows.append(Row(case, "-", error=one_line(err, 120)))
+        print("\n".join(table_lines(rows[done:])[2:]), flush=True)
         torch.cuda.empty_cache()
-    print("\n".join(table_lines(rows) + [""] + notes_lines(torch.cuda.get_device_name(), rate, steps, check_steps,
-                                                           humming_note) + notes), flush=True)
+    print("\n".join([""] + notes_lines(torch.cuda.get_device_name(), rate, steps, check_steps, humming_note) + notes),
+          flush=True)
     failed = any(row.error or (row.worst or 0) > 1 or (row.worst16 or 0) > 1 for row in rows)
     if torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:  # W4A16: Hopper's
         lines = benchmark_w4a16_lines(bench, humming_note is None, rate)

@@ -541,9 +541,38 @@ class CellLauncher:
 # ---------------------------------------------------------------------------------------------------------
 # Weights, checks, and the call
 # ---------------------------------------------------------------------------------------------------------
-def prepare_moe_weights(b: torch.Tensor, b_scale: torch.Tensor) -> tuple:
+def w4a16_codes(codes: torch.Tensor) -> torch.Tensor:
+    """The W4A16 order of e2m1 codes [..., K/2] (uint8, two per byte, low nibble first): within each 128-k chunk of
+    a row, byte 16 q + 4 t + j holds the two k that the Hopper consumer thread of column q converts as nibbles
+    n = 2 j and 2 j + 1 of its word t, n < 4 being k = 32 t + 8 n + 2 q and n >= 4 being k = 32 t + 8 (n - 4) + 2 q
+    + 1 (its fragment's k-steps 2 t, 2 t + 1 at the k the wgmma expects: `fp4x8_to_f16x2x4` pairs nibbles i and
+    i + 4 into one register). So a 16-bit A in its natural k order meets B's matching k, and each word spans the
+    k-blocks 2 t and 2 t + 1 (its scales "split" over its registers). A permutation within every 64 bytes."""
+    k = codes.shape[-1] * 2
+    flat = codes.reshape(-1, k // 128, 64)
+    nibbles = torch.stack((flat & 15, flat >> 4), dim=-1).reshape(flat.shape[0], k // 128, 128)
+    picked = nibbles[:, :, w4a16_order().to(codes.device)].reshape(flat.shape[0], k // 128, 64, 2)
+    return (picked[..., 0] | (picked[..., 1] << 4)).reshape(codes.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def w4a16_order() -> torch.Tensor:
+    """`w4a16_codes`' order: nibble 2 byte + h of a 128-k chunk (h = 0 the low nibble) holds natural k order[...]."""
+    order = torch.empty(64, 2, dtype=torch.long)
+    for q in range(4):
+        for t in range(4):
+            for j in range(4):
+                for h in range(2):
+                    n = 2 * j + h
+                    order[16 * q + 4 * t + j, h] = 32 * t + 8 * (n % 4) + 2 * q + n // 4
+    return order.flatten()
+
+
+def prepare_moe_weights(b: torch.Tensor, b_scale: torch.Tensor, w4a16: bool = False) -> tuple:
     """Once per layer: (b as uint8 [E, N, K/2] contiguous, b_scale in the kernels' blocked order as
-    [E, N/128, K/64, 512] e4m3), from b [E, N, K/2] (fp4x2 or uint8) and b_scale [E, N, K/16] e4m3."""
+    [E, N/128, K/64, 512] e4m3), from b [E, N, K/2] (fp4x2 or uint8) and b_scale [E, N, K/16] e4m3.
+    w4a16: the weights for 16-bit activations (Hopper): the codes in `w4a16_codes`' order, as int8, the dtype by
+    which `nvfp4_moe_mm` tells the two layouts apart (it reads no values)."""
     if b.dim() != 3 or b_scale.dim() != 3:
         raise ValueError(f"prepare_moe_weights: b [E, N, K/2] and b_scale [E, N, K/16]; got {tuple(b.shape)} and "
                          f"{tuple(b_scale.shape)}")
@@ -555,6 +584,8 @@ def prepare_moe_weights(b: torch.Tensor, b_scale: torch.Tensor) -> tuple:
     if b_scale.dtype != torch.float8_e4m3fn:
         raise ValueError(f"prepare_moe_weights: b_scale must be torch.float8_e4m3fn, not {b_scale.dtype}")
     codes = b.contiguous().view(torch.uint8)
+    if w4a16:
+        codes = w4a16_codes(codes).view(torch.int8)
     scales = b_scale.contiguous().view(torch.uint8)
     # [E, N/128, 4 (r // 32 % 4), 32 (r % 32), K/64, 4 (k-block % 4)] -> [E, N/128, K/64, 32, 4, 4]
     blocked = scales.view(num_experts, n // 128, 4, 32, k // 64, 4).permute(0, 1, 4, 3, 2, 5).contiguous()
@@ -581,8 +612,11 @@ def check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out_dtype, storage:
          f"{tuple(a.shape)} {a.dtype}")
     num_tokens, k = a.shape[0], a.shape[1] * (1 if a_input != "fp4" else 2)
     half_k = k // 2
-    need(b.dim() == 3 and b.dtype == torch.uint8 and b.shape[2] == half_k,
-         f"b must be prepare_moe_weights' [E, N, K/2] uint8 with K/2 = {half_k}; got {tuple(b.shape)} {b.dtype}")
+    b_dtype, layout = (torch.int8, "prepare_moe_weights(..., w4a16=True)") if a_input != "fp4" else (
+        torch.uint8, "prepare_moe_weights")
+    need(b.dim() == 3 and b.dtype == b_dtype and b.shape[2] == half_k,
+         f"b must be {layout}' [E, N, K/2] {str(b_dtype)[6:]} with K/2 = {half_k} for {a.dtype} a; got "
+         f"{tuple(b.shape)} {b.dtype}")
     num_experts, n, _ = b.shape
     need(k % 256 == 0 and k > 0, f"K = {k} must be a positive multiple of 256")
     need(n % 128 == 0 and n > 0, f"N = {n} must be a positive multiple of 128")

@@ -944,25 +944,30 @@ def fp4x8_to_f16x2x4(word, scale_f16x2, half: Optional[int] = None, bf16: bool =
     v18).
 
     half (0 or 1): `scale_f16x2` holds two scales (`scale_pair_to_f16x2`) and this one multiplies by that
-    half of it in both lanes (a register broadcast that ptxas folds into each HMUL2 operand).
+    half of it in both lanes (a register broadcast that ptxas folds into each HMUL2 operand); "split" (W4A16's
+    weight layout, `moe.w4a16_codes`): registers 0 and 1 by half 0, registers 2 and 3 by half 1.
 
     bf16 (W4A16 with bf16 A): the halves are bf16, the scale `scale_pair_to_f16x2(..., bf16=True)`'s: each fp16
     code h above (bits 15, 11, 10, 9 only) becomes the bf16 code with the same bits at 15, 8, 7, 6 (h & 0x9000 |
     (h >> 3) & ~0x9000 per half, one lop3: h >> 3 moves no bit across the halves), the e2m1 value * 2^-126
     (e = 0 a bf16 subnormal), times the scale * 2^112: the value * 2^-14 again, exact (a normal bf16 with at
     most 6 significant bits). Two more integer instructions per register."""
-    scale = "$5" if half is None else "s"
+    scales = ["$5"] * 4 if half is None else (["s", "s", "s2", "s2"] if half == "split" else ["s"] * 4)
+    if half == "split":
+        broadcast = "mov.b32 {s0, s1}, $5;\nmov.b32 s, {s0, s0};\nmov.b32 s2, {s1, s1};\n"
+    else:
+        broadcast = "" if half is None else f"mov.b32 {{s0, s1}}, $5;\nmov.b32 s, {{s{half}, s{half}}};\n"
     mul = "mul.rn.bf16x2" if bf16 else "mul.rn.f16x2"
     to_bf16 = "shr.b32 t2, h, 3;\nlop3.b32 h, h, t2, 0x90009000, 0xE4;\n" if bf16 else ""
     r = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_u32(word, loc, ip), _u32(scale_f16x2, loc, ip)],
-             "{\n.reg .b32 u, t, w, a, h, s" + (", t2" if bf16 else "") + ";\n.reg .b16 s0, s1;\n"
-             + ("" if half is None else f"mov.b32 {{s0, s1}}, $5;\nmov.b32 s, {{s{half}, s{half}}};\n")
+             "{\n.reg .b32 u, t, w, a, h, s" + (", t2" if bf16 else "") + (", s2" if half == "split" else "")
+             + ";\n.reg .b16 s0, s1;\n" + broadcast
              + "and.b32 u, $4, 0xF0F0F0F0;\nshr.b32 t, u, 3;\n"
-             f"lop3.b32 h, u, t, 0x8E008E00, 0xA8;\n{to_bf16}{mul} $3, h, {scale};\n"
-             f"lop3.b32 h, u, t, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\n{to_bf16}{mul} $1, h, {scale};\n"
+             f"lop3.b32 h, u, t, 0x8E008E00, 0xA8;\n{to_bf16}{mul} $3, h, {scales[3]};\n"
+             f"lop3.b32 h, u, t, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\n{to_bf16}{mul} $1, h, {scales[1]};\n"
              "and.b32 w, $4, 0x0F0F0F0F;\nshl.b32 a, w, 4;\nshl.b32 w, w, 1;\n"
-             f"lop3.b32 h, a, w, 0x8E008E00, 0xA8;\n{to_bf16}{mul} $2, h, {scale};\n"
-             f"lop3.b32 h, a, w, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\n{to_bf16}{mul} $0, h, {scale};\n}}",
+             f"lop3.b32 h, a, w, 0x8E008E00, 0xA8;\n{to_bf16}{mul} $2, h, {scales[2]};\n"
+             f"lop3.b32 h, a, w, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\n{to_bf16}{mul} $0, h, {scales[0]};\n}}",
              "=r,=r,=r,=r,r,r", False, loc, ip)
     return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
 
@@ -1878,8 +1883,11 @@ class Sm90BlockScaledGroupedGemmKernel:
         b_row = 64 * wg + 16 * w + lane // 4
         b_off = b_row * 64 + 16 * (q ^ ((b_row >> 1) & 3))
         # SFB: this thread's two scale bytes of row b_row (k blocks 2 q, 2 q + 1), one 16-bit word
-        sfb_off = ((b_row // 128) * self.SF_BYTES + (q // 2) * 512 + (b_row % 32) * 16 + ((b_row // 32) % 4) * 4
-                   + 2 * (q % 2))
+        if cutlass.const_expr(self.a16_input):  # W4A16: the row's eight scales of the chunk, two 32-bit words
+            sfb_off = (b_row % 32) * 16 + ((b_row // 32) % 4) * 4
+        else:
+            sfb_off = ((b_row // 128) * self.SF_BYTES + (q // 2) * 512 + (b_row % 32) * 16
+                       + ((b_row // 32) % 4) * 4 + 2 * (q % 2))
         chunk = cutlass.Int32(0)
         last_g = cutlass.Int32(-1)
         scheduler = GroupTileScheduler(sizes, self.tile_m, self.tile_n)
@@ -2069,9 +2077,16 @@ class Sm90BlockScaledGroupedGemmKernel:
         # per row one register of both scales (one 16-bit load, one conversion: no byte select, no 2^7 per
         # scale), b_sc[r][e] its half e, which `fp4x8_to_f16x2x4` broadcasts (docs/HOPPER_NOTES.md v34)
         bf16 = self.config.a_input == "bf16"  # W4A16 with bf16 A: B converted to bf16
-        b_pairs = [scale_pair_to_f16x2(ld_shared_u16(sf_b + sfb_off + 128 * half), bf16) for half in range(2)]
+        if cutlass.const_expr(self.a16_input):
+            # W4A16 (A in its natural k order, B's nibbles in `moe.w4a16_codes`' order): word t of a row spans the
+            # k-blocks 2 t, 2 t + 1 of the chunk, so each row's eight scales (two words: k-blocks 0-3, 4-7)
+            b_scale_words = [[ld_shared_u32(sf_b + sfb_off + 128 * r + 512 * sub) for sub in range(2)]
+                             for r in range(2)]
+        else:
+            b_pairs = [scale_pair_to_f16x2(ld_shared_u16(sf_b + sfb_off + 128 * half), bf16) for half in range(2)]
         release_read_stage(stage_pipe, state)
-        b_sc = [[(b_pairs[r], e) for e in range(2)] for r in range(2)]
+        if cutlass.const_expr(not self.a16_input):
+            b_sc = [[(b_pairs[r], t // 2) for t in range(4)] for r in range(2)]
         a16_pipe.consumer_wait(a16_state)
         # The previous chunk's fp16 A buffer, released at t == 1 below once its wgmmas have retired. A tile's
         # first chunk releases its pair's spare barrier after the ring instead (`spare`: index num_a16 + pair):
@@ -2088,8 +2103,13 @@ class Sm90BlockScaledGroupedGemmKernel:
                 # every wgmma of the previous chunk has retired: its fp16 A buffer can be refilled
                 a16_pipe.consumer_release(prev_state)
             frag_u32 = cute.recast_tensor(frags[t % 2], cutlass.Uint32)
-            o0 = fp4x8_to_f16x2x4(b_words[0][t], *b_sc[0][t // 2], bf16)
-            o1 = fp4x8_to_f16x2x4(b_words[1][t], *b_sc[1][t // 2], bf16)
+            if cutlass.const_expr(self.a16_input):
+                # word t: k-blocks 2 t, 2 t + 1 (bytes 0-1 or 2-3 of scale word t // 2), "split" over its registers
+                sc = [(scale_pair_to_f16x2(b_scale_words[r][t // 2] >> (16 * (t % 2)), bf16), "split") for r in range(2)]
+            else:
+                sc = [b_sc[r][t] for r in range(2)]
+            o0 = fp4x8_to_f16x2x4(b_words[0][t], *sc[0], bf16)
+            o1 = fp4x8_to_f16x2x4(b_words[1][t], *sc[1], bf16)
             for i in cutlass.range_constexpr(4):
                 step = i // 2
                 slot = i % 2

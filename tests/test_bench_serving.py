@@ -200,8 +200,15 @@ class _Graph:
 
 @pytest.fixture
 def cpu_run(monkeypatch, capsys):
+    real_moe = __import__("moe")
     def gemm(a, a_scale, b, b_scale, offs, out):  # the reference on prepared weights: decode the blocked scales
         e_, n, k = b.shape[0], b.shape[1], 2 * b.shape[2]
+        if b.dtype == torch.int8:  # W4A16's order of the codes back to the natural one
+            nibbles = torch.stack((b.view(torch.uint8) & 15, b.view(torch.uint8) >> 4), -1).reshape(-1, k // 128, 128)
+            natural = torch.empty_like(nibbles)
+            natural[:, :, real_moe.w4a16_order()] = nibbles
+            natural = natural.reshape(e_, n, k // 2, 2)
+            b = natural[..., 0] | (natural[..., 1] << 4)
         plain = b_scale.view(torch.uint8).view(e_, n // 128, k // 64, 32, 4, 4).permute(0, 1, 4, 3, 2, 5)
         plain = plain.reshape(e_, n, k // 16).view(torch.float8_e4m3fn)
         ends = offs.tolist()
@@ -211,7 +218,7 @@ def cpu_run(monkeypatch, capsys):
                 out[s:e] = (a64 @ dequant_f64(b[i], plain[i]).T).to(out.dtype)
         return out
 
-    fake_moe = types.SimpleNamespace(prepare_moe_weights=__import__("moe").prepare_moe_weights,
+    fake_moe = types.SimpleNamespace(prepare_moe_weights=real_moe.prepare_moe_weights,
                                      nvfp4_moe_mm=lambda a, s, b, bs_, offs, out: gemm(a, s, b, bs_, offs, out))
     monkeypatch.setitem(sys.modules, "moe", fake_moe)
     queue = types.SimpleNamespace(wait_stream=lambda other: None)
@@ -236,7 +243,7 @@ def cpu_run(monkeypatch, capsys):
 
 def test_a_whole_run_prints_three_checked_rows(cpu_run):
     code, lines, err = cpu_run()
-    assert code == 0, lines + err.splitlines()
+    assert code == 0, "\n".join(lines + err.splitlines())
     assert lines[0].startswith("| case |") and lines[1].startswith("|---|") and lines[5] == ""
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:5]]
     assert [r[2] for r in rows] == ["eager", "graph: routing + GEMM", "graph: GEMM alone"]

@@ -41,6 +41,7 @@ class Layer:
         self.scales = picks[torch.randint(0, len(picks), (e, n, k // 16), device="cuda", generator=gen)].view(
             torch.float8_e4m3fn)
         self.b, self.b_scale = moe.prepare_moe_weights(self.codes, self.scales)
+        self.b16 = moe.prepare_moe_weights(self.codes, self.scales, w4a16=True)[0]  # W4A16's layout of the codes
         self.alpha = torch.rand(e, device="cuda", generator=gen, dtype=torch.float32) + 0.25
         self.gen = gen
 
@@ -154,7 +155,7 @@ def test_w4a16_results_and_schedule(case, a_dtype):
         offs = _offs(counts)
         alpha = layer.alpha if with_alpha else None
         out = torch.full((t, n), float("nan"), dtype=a_dtype, device="cuda")
-        moe.nvfp4_moe_mm(a, None, layer.b, layer.b_scale, offs, alpha, out=out)
+        moe.nvfp4_moe_mm(a, None, layer.b16, layer.b_scale, offs, alpha, out=out)
         torch.cuda.synchronize()
         expected, bound = layer.expected(a, None, offs, alpha)
         _check(out, expected, bound, a_dtype)
@@ -177,7 +178,8 @@ def test_w4a16_back_to_back():
         calls.append((a, a_scale, _offs(counts), out))
     torch.cuda.synchronize()
     for a, a_scale, offs, out in calls:
-        moe.nvfp4_moe_mm(a, a_scale, layer.b, layer.b_scale, offs, layer.alpha, out=out)
+        b = layer.b if a_scale is not None else layer.b16
+        moe.nvfp4_moe_mm(a, a_scale, b, layer.b_scale, offs, layer.alpha, out=out)
     torch.cuda.synchronize()
     for a, a_scale, offs, out in calls:
         expected, bound = layer.expected(a, a_scale, offs, layer.alpha)
@@ -191,7 +193,7 @@ def test_w4a16_refused_on_b200():
     layer = Layer(8, 256, 512, seed=3)
     a, _ = layer.tokens16(16, torch.bfloat16)
     with pytest.raises(ValueError, match="runs on Hopper only"):
-        moe.nvfp4_moe_mm(a, None, layer.b, layer.b_scale, _offs([2] * 8), None)
+        moe.nvfp4_moe_mm(a, None, layer.b16, layer.b_scale, _offs([2] * 8), None)
 
 
 def _check_schedule(moe, layer, offs, t, out_dtype, a_input="fp4"):

@@ -94,6 +94,29 @@ def test_weight_scales_are_blocked_as_the_kernels_read_them():
         assert torch.equal(blocked[i].reshape(-1).view(torch.uint8), expected)
 
 
+def test_w4a16_weights_are_a_permutation_within_each_chunk():
+    """prepare_moe_weights(w4a16=True): the same scales, the codes as int8 in w4a16_codes' order: byte 16 q + 4 t + j
+    of a 128-k chunk holds nibbles n = 2 j, 2 j + 1 of consumer column q's word t, n < 4 at k = 32 t + 8 n + 2 q and
+    n >= 4 at k = 32 t + 8 (n - 4) + 2 q + 1 (checked here element by element, for every position)."""
+    e, n, k = 2, 128, 512
+    b = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8)
+    scales = torch.randint(0, 127, (e, n, k // 16), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    plain, blocked = moe.prepare_moe_weights(b, scales)
+    codes, blocked16 = moe.prepare_moe_weights(b, scales, w4a16=True)
+    assert codes.dtype == torch.int8 and torch.equal(blocked16, blocked) and codes.shape == b.shape
+    natural = torch.stack((b & 15, b >> 4), -1).reshape(e, n, k)
+    got = codes.view(torch.uint8)
+    for chunk in range(k // 128):
+        for q in range(4):
+            for t in range(4):
+                for j in range(4):
+                    byte = got[:, :, chunk * 64 + 16 * q + 4 * t + j]
+                    for h, nibble in ((0, byte & 15), (1, byte >> 4)):
+                        m = 2 * j + h
+                        kk = chunk * 128 + 32 * t + 8 * (m % 4) + 2 * q + m // 4
+                        assert torch.equal(nibble, natural[:, :, kk]), (chunk, q, t, j, h)
+
+
 def _meta_args(t=64, e=8, n=256, k=512, device="meta"):
     return dict(a=torch.empty(t, k // 2, dtype=torch.uint8, device=device),
                 a_scale=torch.empty(t, k // 16, dtype=torch.float8_e4m3fn, device=device),
@@ -116,11 +139,11 @@ def test_sixteen_bit_a_is_w4a16(dtype):
     """16-bit A [T, K] with no a_scale: the same T, E, N, K, and A's kind for the GEMM's `a_input`; the fakes
     give the output's shape."""
     args = _meta_args(device="cpu")
-    args.update(a=torch.empty(64, 512, dtype=dtype), a_scale=None)
+    args.update(a=torch.empty(64, 512, dtype=dtype), a_scale=None, b=args["b"].view(torch.int8))
     with pytest.raises(ValueError, match="CUDA GPU"):  # every check but the device's passed
         moe.check_moe_args(*args.values(), None, torch.float16)
     meta = _meta_args()
-    meta.update(a=torch.empty(64, 512, dtype=dtype, device="meta"), a_scale=None)
+    meta.update(a=torch.empty(64, 512, dtype=dtype, device="meta"), a_scale=None, b=meta["b"].view(torch.int8))
     assert moe.check_moe_args(*meta.values(), None, torch.float16, storage=False) == (
         64, 8, 256, 512, torch.float16, moe.A16_INPUTS[dtype])
     out = torch.ops.nvfp4_moe.mm(*meta.values(), torch.bfloat16)
@@ -128,8 +151,13 @@ def test_sixteen_bit_a_is_w4a16(dtype):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(a=torch.empty(64, 512, dtype=torch.bfloat16)), "a_scale must be None with torch.bfloat16 a"),
-    (dict(a=torch.empty(64, 256, dtype=torch.float16), a_scale=None), "b must be .* K/2 = 128"),
+    (dict(a=torch.empty(64, 512, dtype=torch.bfloat16), b=torch.empty(8, 256, 256, dtype=torch.int8)),
+     "a_scale must be None with torch.bfloat16 a"),
+    (dict(a=torch.empty(64, 256, dtype=torch.float16), a_scale=None, b=torch.empty(8, 256, 256, dtype=torch.int8)),
+     "b must be .* K/2 = 128"),
+    (dict(a=torch.empty(64, 512, dtype=torch.bfloat16), a_scale=None),
+     "b must be prepare_moe_weights\\(..., w4a16=True\\)' \\[E, N, K/2\\] int8 .* got \\(8, 256, 256\\) torch.uint8"),
+    (dict(b=torch.empty(8, 256, 256, dtype=torch.int8)), "b must be prepare_moe_weights' \\[E, N, K/2\\] uint8"),
     (dict(a_scale=None), "a_scale must be .* with NVFP4 a; got None"),
     (dict(a=torch.empty(64, 256, dtype=torch.float32)), "or \\[T, K\\] bfloat16 or float16"),
     (dict(a_scale=torch.empty(64, 16, dtype=torch.uint8)), "a_scale must be"),

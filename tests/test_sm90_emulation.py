@@ -11,6 +11,7 @@ It mirrors the constants and formulas of submission_sm90.py's helpers (scale_to_
 fp4x8_to_f16x2x4, their bf16 forms for W4A16, the transform and consumer index math): change both together.
 """
 import numpy as np
+import pytest
 import torch
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -62,6 +63,9 @@ def lop3_or_and(a, b, c):
 
 
 def fp4x8_to_f16x2x4(w, sc, half=None):
+    if half == "split":  # W4A16: registers 0, 1 by half 0 of the pair, registers 2, 3 by half 1
+        lo, hi = fp4x8_to_f16x2x4(w, sc, 0), fp4x8_to_f16x2x4(w, sc, 1)
+        return lo[:2] + hi[2:]
     sc = sc if half is None else broadcast(sc, half)
     u = w & 0xF0F0F0F0
     t = u >> 3
@@ -96,6 +100,9 @@ def scale_pair_to_bf16x2(pair):
 def fp4x8_to_bf16x2x4(w, sc, half):
     # fp4x8_to_f16x2x4(..., bf16=True): each fp16 code h (bits 15, 11, 10, 9) to the bf16 code with the bits at
     # 15, 8, 7, 6 by one shift and one lop3 (LUT 0xE4: (h & c) | (t & ~c)), then the bf16 product
+    if half == "split":
+        lo, hi = fp4x8_to_bf16x2x4(w, sc, 0), fp4x8_to_bf16x2x4(w, sc, 1)
+        return lo[:2] + hi[2:]
     sc = broadcast(sc, half)
     u = w & 0xF0F0F0F0
     t = u >> 3
@@ -279,6 +286,67 @@ def test_bit_tricks_exact_for_every_code():
 
 def test_bf16_bit_tricks_exact_for_every_code():
     check_bf16_bit_tricks()
+
+
+def check_w4a16_chunk(seed, bf16):
+    """W4A16: one 128-k chunk of a 128-row B tile against A in its natural k order (the wgmma B operand read from
+    the buffer TMA fills with A's rows as they are): B's codes in moe.w4a16_codes' order, staged in the SW64 stage
+    layout, each consumer thread's four words per row, its row's two scale words (k-blocks 0-3 and 4-7), word t's
+    pair (k-blocks 2 t, 2 t + 1) "split" over its registers, the wgmma A-operand fragment read back to (n, k):
+    sum_k A[m, k] Blog[n, k] 2^14 must be the exact product."""
+    import moe
+
+    rng = np.random.default_rng(seed)
+    b_bytes = rng.integers(0, 256, (128, 64), dtype=np.uint8)
+    sfb = rng.integers(0, 256, (128, 8)).astype(np.uint8)
+    sfb[(sfb & 0x7F) == 0x7F] = 0x38
+    stage_b = moe.w4a16_codes(torch.from_numpy(b_bytes.copy())).numpy()
+    stage = np.zeros(8192 + 1024, np.uint8)
+    for r in range(128):
+        for c in range(4):
+            stage[sw64(r, c):sw64(r, c) + 16] = stage_b[r, 16 * c:16 * c + 16]
+    for r in range(128):  # the blocked 1 KB scale slice of the chunk
+        for j in range(8):
+            stage[8192 + (j // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + j % 4] = sfb[r, j]
+    u32 = lambda off: int(stage[off:off + 4].view(np.uint32)[0])  # noqa: E731
+    blog = np.zeros((128, 128))
+    for wg in range(2):
+        for w in range(4):
+            for lane in range(32):
+                q = lane % 4
+                b_row = 64 * wg + 16 * w + lane // 4
+                b_off = b_row * 64 + 16 * (q ^ ((b_row >> 1) & 3))
+                sfb_off = (b_row % 32) * 16 + ((b_row // 32) % 4) * 4
+                frag = [0] * 32
+                for ri in range(2):
+                    bw = [u32(b_off + 512 * ri + 4 * t) for t in range(4)]
+                    sw = [u32(8192 + sfb_off + 128 * ri + 512 * sub) for sub in range(2)]
+                    for t in range(4):
+                        pair = (sw[t // 2] >> (16 * (t % 2))) & 0xFFFF
+                        if bf16:
+                            o = fp4x8_to_bf16x2x4(bw[t], scale_pair_to_bf16x2(pair), "split")
+                        else:
+                            o = fp4x8_to_f16x2x4(bw[t], scale_pair_to_f16x2(pair), "split")
+                        for i in range(4):
+                            frag[4 * (2 * t + i // 2) + 2 * (i % 2) + ri] = o[i]
+                for step in range(8):
+                    for j in range(4):
+                        v1, v2 = j % 2, j // 2
+                        vals = (bf16_halves if bf16 else halves)(frag[4 * step + j])
+                        for v0 in range(2):
+                            blog[64 * wg + 16 * w + lane // 4 + 8 * v1, 16 * step + 2 * q + v0 + 8 * v2] = vals[v0]
+    codes = np.stack([b_bytes & 0xF, b_bytes >> 4], -1).reshape(128, 128)
+    scales = torch.from_numpy(sfb.copy()).view(torch.float8_e4m3fn).to(torch.float64).numpy()
+    b_exact = E2M1[codes] * np.repeat(scales, 16, axis=1)
+    a = rng.integers(-2048, 2048, (64, 128)) * 2.0 ** rng.integers(-12, 4, (64, 1))  # exact in fp16 and in float64
+    got = (a @ blog.T) * 2.0 ** 14  # the kernel's A16_INPUT_EPILOGUE_EXPONENT
+    assert np.abs(got - a @ b_exact.T).max() == 0.0
+
+
+def test_w4a16_chunk_meets_a_in_natural_order():
+    pytest.importorskip("cutlass")  # moe.w4a16_codes (moe imports the DSL)
+    for seed, bf16 in ((0, False), (1, True), (2, True)):
+        check_w4a16_chunk(seed, bf16)
 
 
 def test_chunk_k_permutation_matches_between_operands():
