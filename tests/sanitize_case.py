@@ -1,6 +1,7 @@
 """The workload of tests/test_gpu_sanitizer.py, run under compute-sanitizer in its own process.
 
-`python tests/sanitize_case.py VARIANT [VARIANT ...]`: "moe": the MoE entry's builds (`moe_entry`); for each
+`python tests/sanitize_case.py VARIANT [VARIANT ...]`: "moe", "moe16": the MoE entry's builds with NVFP4 or bf16 A
+(`moe_entry`); for each
 Hopper variant (or a variant with one config field changed, `SM90_CHANGED_CONFIGS` of tests/conftest.py: "two_launch"), three multi-group inputs
 (the case that first showed a racecheck hazard, one whose rings wrap many times with group changes in every
 CTA, and a MoE-like one of 256 groups, most of them empty), and for the consumer-pairs builds a fourth (several
@@ -34,9 +35,10 @@ CASES = (
 PAIRS_CASE = dict(m=(8, 16, 24, 3, 30), n=(4096,) * 5, k=(1536,) * 5, g=5, seed=24)
 
 
-def moe_entry() -> int:
+def moe_entry(a_dtype=None) -> int:
     """The MoE entry (moe.py): its three builds, each a preparation launch and a GEMM, on routings with empty
-    experts and rows no expert covers; checked as tests/test_gpu_moe.py checks them."""
+    experts and rows no expert covers; checked as tests/test_gpu_moe.py checks them. a_dtype (torch.bfloat16):
+    W4A16, 16-bit A and the weights in its order ("moe16")."""
     import moe
     from test_gpu_moe import Layer, _check, _counts, _offs
 
@@ -46,10 +48,11 @@ def moe_entry() -> int:
         layer = Layer(e, n, k, seed=e)
         counts = _counts(e, pattern, gen)
         t = sum(counts) + 3
-        a, a_scale = layer.tokens(t)
+        a, a_scale = layer.tokens(t) if a_dtype is None else layer.tokens16(t, a_dtype)
         offs = _offs(counts)
         out = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        moe.nvfp4_moe_mm(a, a_scale, layer.b, layer.b_scale, offs, layer.alpha, out=out)
+        b = layer.b if a_dtype is None else layer.b16
+        moe.nvfp4_moe_mm(a, a_scale, b, layer.b_scale, offs, layer.alpha, out=out)
         torch.cuda.synchronize()
         expected, bound = layer.expected(a, a_scale, offs, layer.alpha)
         try:
@@ -64,8 +67,8 @@ def moe_entry() -> int:
 def main(variants) -> int:
     bad = 0
     for variant in variants:
-        if variant == "moe":
-            bad += moe_entry()
+        if variant in ("moe", "moe16"):
+            bad += moe_entry(None if variant == "moe" else torch.bfloat16)
             continue
         if variant in SM90_CHANGED_CONFIGS:  # a variant with one config field changed
             submission_sm90.SM90_VARIANT_CONFIGS[variant] = sm90_changed_config(variant)

@@ -4,7 +4,7 @@ widths next to every tile width, fp16 and bf16 out, with and without alpha; the 
 work list against `plan_reference`; calls back to back on one queue with new routings and no sync between them
 (they share one set of buffers); a CUDA graph replayed after new routing is written into the captured tensors;
 and torch.compile(fullgraph=True) of a function that calls the entry. W4A16 (16-bit A, Hopper): bf16 and fp16 A of
-magnitudes over 2^-8 .. 2^8 against the same float64 decode of B, every build and tile width, empty experts, alpha,
+magnitudes over 2^-10 .. 2^4 against the same float64 decode of B, every build and tile width, empty experts, alpha,
 15 calls back to back; a B200 refuses it.
 
 Skipped without an sm_90 or sm_100 GPU and nvidia-cutlass-dsl (on a B200 they have never run: no B200 here)."""
@@ -53,9 +53,10 @@ class Layer:
         return a, a_scale
 
     def tokens16(self, t, dtype):
-        """W4A16 activations [t, K] in `dtype`: normal values times 2^-8 .. 2^8 per row and column block."""
+        """W4A16 activations [t, K] in `dtype`: normal values times 2^-10 .. 2^4 per row and column block (the
+        outputs within fp16's range: with 2^8 a K = 1024 row reached 71026, which fp16 out rightly made inf)."""
         a = torch.randn((t, self.k), device="cuda", generator=self.gen)
-        mag = torch.randint(-8, 9, (t, self.k // 16), device="cuda", generator=self.gen).repeat_interleave(16, 1)
+        mag = torch.randint(-10, 5, (t, self.k // 16), device="cuda", generator=self.gen).repeat_interleave(16, 1)
         return (a * torch.exp2(mag.float())).to(dtype), None
 
     def expected(self, a, a_scale, offs, alpha):
