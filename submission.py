@@ -1,14 +1,9 @@
 #!POPCORN leaderboard nvfp4_group_gemm
 #!POPCORN gpu B200
-"""NVFP4 block-scaled grouped GEMM for the GPU MODE `nvfp4_group_gemm` task, in CuTe DSL.
-
-What it computes, for every group g of G:
-
-    C_g[m, n] = sum_k (A_g[m, k] * SFA_g[m, k // 16]) * (B_g[n, k] * SFB_g[n, k // 16])
-
-with A_g [m, k] and B_g [n, k] in e2m1 (fp4, two per byte, K contiguous), one e4m3 scale per 16
-consecutive k-elements (read in the blocked tcgen05 layout, the `sfasfb_reordered_tensors`), fp32
-accumulation and fp16 output written into the caller's C_g. Constraints: `can_implement`.
+"""NVFP4 block-scaled grouped GEMM for the GPU MODE `nvfp4_group_gemm` task, in CuTe DSL: for every group g,
+C_g[m, n] = sum_k (A_g[m, k] * SFA_g[m, k // 16]) * (B_g[n, k] * SFB_g[n, k // 16]), A_g and B_g e2m1 (two per
+byte, K contiguous), one e4m3 scale per 16 k (read in the blocked tcgen05 layout, `sfasfb_reordered_tensors`),
+fp32 accumulation, fp16 C_g written in place. Constraints: `can_implement`.
 
 On a B200 (sm_100a) it runs the kernel variant `KERNEL_VARIANT`: "persistent" (the default,
 `Sm100PersistentGroupedGemmKernel`, one CTA per SM over every group's tiles, its tile chosen per weight shape
@@ -21,14 +16,13 @@ NOTES: docs/B200_DESIGN.md#module-overview (the longer overview: constraints, va
 How to use it (each function's docstring has the details):
     custom_kernel(data)      GPU MODE entry point; data = (abc, sfasfb, sfasfb_reordered, problem_sizes)
     can_implement(data)      (ok, reason) on CPU or GPU tensors; check_problem_sizes(sizes): its size rules
-    set_variant(name)        one of KERNEL_VARIANTS (NVFP4_KERNEL_VARIANT at import; default: the
-                             DEFAULT_KERNEL_VARIANT line, which `eval.py export` rewrites)
-    set_launch_path(name)    one of LAUNCH_PATHS (NVFP4_LAUNCH_PATH at import)
-    set_pdl(on)              programmatic dependent launch of the persistent kernels (default on; NVFP4_PDL=0)
+    set_variant(name)        one of KERNEL_VARIANTS (NVFP4_KERNEL_VARIANT; default: DEFAULT_KERNEL_VARIANT)
+    set_launch_path(name) / set_pdl(on)   LAUNCH_PATHS (NVFP4_LAUNCH_PATH); programmatic launch (NVFP4_PDL=0: off)
     compile_for(num_groups, arch=None, variant=None)   build only (CUTE_DSL_ARCH=sm_100a builds without a GPU)
 Builds with nvidia-cutlass-dsl 4.3.5, 4.5.2 and 4.8.1.
 """
 import array
+import contextlib
 import ctypes
 import dataclasses
 import enum
@@ -108,8 +102,7 @@ USE_PDL = _choice_from_env("NVFP4_PDL", "1", ("0", "1")) == "1"
 def set_pdl(on: bool) -> None:
     """Launch the persistent kernels with (True) or without programmatic dependent launch from now on."""
     global USE_PDL
-    # A bool only: "0" or "off" are truthy, so converting them would silently turn PDL on.
-    if not isinstance(on, bool):
+    if not isinstance(on, bool):  # "0" or "off" are truthy: converted, they would silently turn PDL on
         raise TypeError(f"set_pdl() takes True or False, not {on!r} ({type(on).__name__})")
     USE_PDL = on
 
@@ -457,8 +450,7 @@ class KernelQueueEvent:
     _flags = 2  # CU_EVENT_DISABLE_TIMING: a cheaper record, and no timing is read
 
     def __init__(self):
-        if KernelQueueEvent._driver is None:
-            KernelQueueEvent._driver = _cuda_driver()
+        KernelQueueEvent._driver = KernelQueueEvent._driver or _cuda_driver()
         self.handle = None
 
     def _check(self, result: tuple, what: str):
@@ -497,10 +489,8 @@ class KernelQueueEvent:
     def close(self) -> None:
         handle, self.handle = self.handle, None
         if handle is not None:
-            try:
+            with contextlib.suppress(Exception):  # the driver may already be shut down at interpreter exit
                 self._driver.cuEventDestroy(handle)
-            except Exception:  # the driver may already be shut down at interpreter exit
-                pass
 
     def __del__(self):
         self.close()
@@ -552,17 +542,12 @@ class PinnedTableRing:
     def _retire(self, before: int) -> None:
         """Waits for the uploads of every pending piece that began before linear position `before`."""
         pending = self.pending
-        count = 0
-        while count < len(pending) and pending[count][0] < before:
-            count += 1
+        count = next((i for i, entry in enumerate(pending) if entry[0] >= before), len(pending))
         for i in range(count - 1, -1, -1):  # newest first; dropped only once all are done (an error keeps them)
             event = pending[i][1]
             if event is not None and not event.query():
                 event.synchronize()
-        for _ in range(count):
-            event = pending.popleft()[1]
-            if event is not None:
-                self.spare.append(event)
+        self.spare.extend(event for event in [pending.popleft()[1] for _ in range(count)] if event is not None)
 
 
 # 4 MiB: 1,170 tables of 64 groups, 9,362 of 8 groups.
@@ -1442,12 +1427,9 @@ class Sm100PersistentGroupedGemmKernel:
     * warps 0-3, epilogue: per 128x32 slice, tensor memory -> registers -> fp16 -> shared memory -> TMA store
       by warp 0 (rows >= M clipped); the accumulator released after the last slice.
 
-    Pipelines (producer -> consumer, arrive counts):
-      ab   PipelineTmaUmma   num_ab_stages   TMA warp (expect-tx of one stage's bytes) -> MMA warp (commit)
-      acc  PipelineUmmaAsync num_acc_stages  MMA warp (commit) -> 4 epilogue warps (one elected lane each)
-      c    PipelineTmaStore  num_c_stages    epilogue warp 0's bulk groups
-    Descriptors: a row per group, prepared by `GroupTensormapKernel`, only acquired here, never rewritten
-    (NOTES: docs/B200_DESIGN.md#persistent-kernel-spec: descriptors, tensor and shared memory).
+    Pipelines: ab (PipelineTmaUmma, TMA warp -> MMA warp), acc (PipelineUmmaAsync, MMA warp -> epilogue warps),
+    c (PipelineTmaStore, epilogue warp 0). Descriptors: a row per group, prepared by `GroupTensormapKernel`, only
+    acquired here (NOTES: docs/B200_DESIGN.md#persistent-kernel-spec: arrive counts, descriptors, memories).
     """
 
     threads_per_cta = 32 * len(Sm100Warp)
@@ -2229,11 +2211,7 @@ def compiled_kernel(key: tuple) -> Callable:
 # Launch paths: how a compiled kernel is called, cheapest first
 # ---------------------------------------------------------------------------------------------------------
 def _tvm_ffi_importable() -> bool:
-    try:
-        importlib.import_module("tvm_ffi")  # the apache-tvm-ffi package
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("tvm_ffi") is not None  # the apache-tvm-ffi package
 
 
 # "tvm_ffi": the DSL's TVM-FFI entry, plain ints in one C call (needs apache-tvm-ffi); "prepacked" (the default):
@@ -2267,8 +2245,7 @@ _executors: dict = {}
 
 
 def _executor(kernel: Callable, device_index: int):
-    """The DSL's executor of a compiled kernel bound to a device, made once (binding loads the kernel
-    functions and sets their attributes: far more host time than a launch)."""
+    """The DSL's executor of a compiled kernel bound to a device, made once (binding costs far more than a launch)."""
     key = (id(kernel), device_index)
     entry = _executors.get(key)
     if entry is None or entry[0] is not kernel:
