@@ -471,8 +471,7 @@ class KernelQueueEvent:
         self.handle = self._check(driver.cuEventCreate(self._flags), "cuEventCreate")
         self._check(driver.cuEventRecord(self.handle, LEGACY_DEFAULT_QUEUE), "cuEventRecord")
 
-    def query(self) -> bool:
-        """True when all work the last record captured has completed (or nothing was recorded)."""
+    def query(self) -> bool:  # True when all work the last record captured has completed (or none was recorded)
         if self.handle is None:
             return True
         result = self._driver.cuEventQuery(self.handle)
@@ -481,8 +480,7 @@ class KernelQueueEvent:
         self._check(result, "cuEventQuery")
         return True
 
-    def synchronize(self) -> None:
-        """Blocks the host until the recorded work has completed."""
+    def synchronize(self) -> None:  # blocks the host until the recorded work has completed
         if self.handle is not None:
             self._check(self._driver.cuEventSynchronize(self.handle), "cuEventSynchronize")
 
@@ -2211,7 +2209,9 @@ def compiled_kernel(key: tuple) -> Callable:
 # Launch paths: how a compiled kernel is called, cheapest first
 # ---------------------------------------------------------------------------------------------------------
 def _tvm_ffi_importable() -> bool:
-    return importlib.util.find_spec("tvm_ffi") is not None  # the apache-tvm-ffi package
+    with contextlib.suppress(ImportError):
+        return importlib.import_module("tvm_ffi") is not None  # the apache-tvm-ffi package
+    return False
 
 
 # "tvm_ffi": the DSL's TVM-FFI entry, plain ints in one C call (needs apache-tvm-ffi); "prepacked" (the default):

@@ -116,75 +116,36 @@ CASES = [  # (E, N, K, pattern): the three builds (pairs: few rows per expert; n
 ]
 
 
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+# (A, out): NVFP4 A with either out; W4A16 (Hopper) with 16-bit A as it is, out in A's type
+KINDS = [(None, torch.bfloat16), (None, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)]
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=["bf16", "fp16", "w4a16-bf16", "w4a16-fp16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}-N{c[1]}-K{c[2]}-{c[3]}")
-def test_results_and_schedule(case, out_dtype):
+def test_results_and_schedule(case, kind):
+    """Within half an ulp of out plus the fp32 accumulation bound of the float64 product, every build and tile
+    width, with and without alpha; W4A16: B converted exactly to A's type."""
     import moe
 
+    a_dtype, out_dtype = kind
+    if a_dtype is not None and CAPABILITY != (9, 0):
+        pytest.skip("W4A16 is the Hopper path")
     e, n, k, pattern = case
-    layer = Layer(e, n, k, seed=e + n)
-    gen = torch.Generator().manual_seed(k)
+    w4a16 = a_dtype is not None
+    layer = Layer(e, n, k, seed=e + n + w4a16)
+    gen = torch.Generator().manual_seed(k + w4a16)
     for with_alpha in (True, False):
         counts = _counts(e, pattern, gen)
         t = sum(counts) + 5  # five rows after the last expert's end: no expert covers them
-        a, a_scale = layer.tokens(t)
+        a, a_scale = layer.tokens16(t, a_dtype) if w4a16 else layer.tokens(t)
         offs = _offs(counts)
         alpha = layer.alpha if with_alpha else None
         out = torch.full((t, n), float("nan"), dtype=out_dtype, device="cuda")
-        moe.nvfp4_moe_mm(a, a_scale, layer.b, layer.b_scale, offs, alpha, out=out)
+        moe.nvfp4_moe_mm(a, a_scale, layer.b16 if w4a16 else layer.b, layer.b_scale, offs, alpha, out=out)
         torch.cuda.synchronize()
         expected, bound = layer.expected(a, a_scale, offs, alpha)
         _check(out, expected, bound, out_dtype)
-        _check_schedule(moe, layer, offs, t, out_dtype)
-
-
-@pytest.mark.skipif(CAPABILITY != (9, 0), reason="W4A16 is the Hopper path")
-@pytest.mark.parametrize("a_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}-N{c[1]}-K{c[2]}-{c[3]}")
-def test_w4a16_results_and_schedule(case, a_dtype):
-    """16-bit A as it is, B converted exactly to A's type: out (in A's type) within half an ulp plus the fp32
-    accumulation bound of the float64 product, over every build and tile width, with and without alpha."""
-    import moe
-
-    e, n, k, pattern = case
-    layer = Layer(e, n, k, seed=e + n + 1)
-    gen = torch.Generator().manual_seed(k + 1)
-    for with_alpha in (True, False):
-        counts = _counts(e, pattern, gen)
-        t = sum(counts) + 5
-        a, _ = layer.tokens16(t, a_dtype)
-        offs = _offs(counts)
-        alpha = layer.alpha if with_alpha else None
-        out = torch.full((t, n), float("nan"), dtype=a_dtype, device="cuda")
-        moe.nvfp4_moe_mm(a, None, layer.b16, layer.b_scale, offs, alpha, out=out)
-        torch.cuda.synchronize()
-        expected, bound = layer.expected(a, None, offs, alpha)
-        _check(out, expected, bound, a_dtype)
-        _check_schedule(moe, layer, offs, t, a_dtype, moe.A16_INPUTS[a_dtype])
-
-
-@pytest.mark.skipif(CAPABILITY != (9, 0), reason="W4A16 is the Hopper path")
-def test_w4a16_back_to_back():
-    """15 W4A16 calls queued with no sync, new routing and tokens each, between NVFP4 calls on the same layer."""
-    import moe
-
-    layer = Layer(32, 256, 1024, seed=23)
-    gen = torch.Generator().manual_seed(9)
-    calls = []
-    for i in range(15):
-        counts = _counts(32, "random", gen)
-        t = sum(counts)
-        a, a_scale = layer.tokens16(t, torch.bfloat16) if i % 3 else layer.tokens(t)
-        out = torch.full((t, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-        calls.append((a, a_scale, _offs(counts), out))
-    torch.cuda.synchronize()
-    for a, a_scale, offs, out in calls:
-        b = layer.b if a_scale is not None else layer.b16
-        moe.nvfp4_moe_mm(a, a_scale, b, layer.b_scale, offs, layer.alpha, out=out)
-    torch.cuda.synchronize()
-    for a, a_scale, offs, out in calls:
-        expected, bound = layer.expected(a, a_scale, offs, layer.alpha)
-        _check(out, expected, bound, torch.bfloat16)
+        _check_schedule(moe, layer, offs, t, out_dtype, moe.A16_INPUTS[a_dtype] if w4a16 else "fp4")
 
 
 @pytest.mark.skipif(CAPABILITY != (10, 0), reason="the B200's refusal")
@@ -236,23 +197,27 @@ def test_bad_offsets_stay_in_bounds():
         _check(out, expected, bound, torch.bfloat16)
 
 
-def test_back_to_back_routings_share_buffers():
-    """15 calls queued with no sync, each a new routing and new tokens (the runner's pattern, for the entry)."""
+@pytest.mark.parametrize("mixed", [False, True], ids=["nvfp4", "with_w4a16"])
+def test_back_to_back_routings_share_buffers(mixed):
+    """15 calls queued with no sync, each a new routing and new tokens (the runner's pattern, for the entry);
+    mixed (Hopper): two calls in three W4A16 (bf16 A, the weights in its order) between NVFP4 calls of one layer."""
     import moe
 
-    layer = Layer(32, 256, 1024, seed=11)
-    gen = torch.Generator().manual_seed(5)
+    if mixed and CAPABILITY != (9, 0):
+        pytest.skip("W4A16 is the Hopper path")
+    layer = Layer(32, 256, 1024, seed=23 if mixed else 11)
+    gen = torch.Generator().manual_seed(9 if mixed else 5)
     calls = []
-    for _ in range(15):
+    for i in range(15):
         counts = _counts(32, "random", gen)
         t = sum(counts)
-        a, a_scale = layer.tokens(t)
-        offs = _offs(counts)
+        a, a_scale = layer.tokens16(t, torch.bfloat16) if mixed and i % 3 else layer.tokens(t)
         out = torch.full((t, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-        calls.append((a, a_scale, offs, out))
+        calls.append((a, a_scale, _offs(counts), out))
     torch.cuda.synchronize()
     for a, a_scale, offs, out in calls:
-        moe.nvfp4_moe_mm(a, a_scale, layer.b, layer.b_scale, offs, layer.alpha, out=out)
+        b = layer.b if a_scale is not None else layer.b16
+        moe.nvfp4_moe_mm(a, a_scale, b, layer.b_scale, offs, layer.alpha, out=out)
     torch.cuda.synchronize()
     for a, a_scale, offs, out in calls:
         expected, bound = layer.expected(a, a_scale, offs, layer.alpha)
