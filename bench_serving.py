@@ -28,6 +28,9 @@ Check: `--serving-check-steps` eager steps and one more replay of the routing + 
 before each), every routed row against a float64 decode: |out - exact| <= 1e-2 + 1e-2 |exact| + 2^-24 sqrt(K)
 sum|a b| (bf16 rounding is at most 2^-8 relative; the last term bounds fp32 accumulation on near-cancelling
 sums); the worst ratio, above 1 fails (exit 1). Progress on stderr; the markdown table and its notes on stdout.
+W4A16 columns: the same layer's weights prepared for 16-bit A (`prepare_moe_weights(..., w4a16=True)`) and bf16
+activations drawn as the peers' are, timed as the peers, checked on their own steps. On Hopper a last table times
+W4A16 on task.yml's four benchmark shapes (`benchmark_w4a16_lines`: bf16 and fp16 A, humming, grouped_mm, floor).
 `--serving-schedule` adds a second table (`schedule_lines`): the entry's kernel, its schedule made on the GPU,
 beside custom_kernel's, planned on the host, on the same routing and inputs.
 """
