@@ -221,8 +221,22 @@ def humming_weight(data) -> dict:
     abc, sfs, _, _ = data
     weight = torch.stack([b[:, :, 0].view(torch.uint8) for _, b, _ in abc])
     scales = torch.stack([sfb[:, :, 0].view(torch.uint8) for _, sfb in sfs]).to(weight.device)
-    return {"weight": weight.view(torch.int32), "weight_scale": scales.view(torch.float8_e4m3fn),
-            "weight_scale_2": torch.ones(len(abc), dtype=torch.float32, device=weight.device)}
+    return humming_weight_of_codes(weight, scales.view(torch.float8_e4m3fn))
+
+
+def humming_weight_of_codes(codes: torch.Tensor, scales: torch.Tensor) -> dict:
+    """`humming_weight`'s dict from the codes uint8 [g, n, k/2] and the e4m3 scales [g, n, k/16] of every group."""
+    return {"weight": codes.view(torch.int32), "weight_scale": scales,
+            "weight_scale_2": torch.ones(codes.shape[0], dtype=torch.float32, device=codes.device)}
+
+
+def humming_launch(kernel, w: dict, a: torch.Tensor, out: torch.Tensor, layout: torch.Tensor, locks: torch.Tensor):
+    """One humming grouped W4A16 GEMM: out = a (fp16, groups' rows back to back at `layout`) times the weights `w`
+    (through humming's transform); locks: its stream-K counters, if its tile uses any."""
+    from humming import ops
+
+    ops.launch_kernel(configs=kernel, inputs=a, weight=w["weight"], weight_scale=w["weight_scale"],
+                      weight_scale_2=w["weight_scale_2"], outputs=out, expert_layout=layout, locks=locks)
 
 
 def worst_ratio(outputs, expected, rtol: float, atol: float) -> float:
@@ -293,7 +307,6 @@ def humming_case(case, inputs, repeats: int, times: dict) -> str:
     if len(set(ns)) > 1 or len(set(ks)) > 1:
         return f"humming {label}: not run (one grouped call needs the same n and k in every group)"
     try:
-        from humming import ops
         from humming.jit.runtime import KernelRuntime
 
         def build():
@@ -316,10 +329,7 @@ def humming_case(case, inputs, repeats: int, times: dict) -> str:
                 c=torch.empty((sum(ms), ns[0]), dtype=torch.float16, device=device)))
 
         def gemm(item):
-            w = item["w"]
-            ops.launch_kernel(configs=kernel, inputs=item["a16"], weight=w["weight"], weight_scale=w["weight_scale"],
-                              weight_scale_2=w["weight_scale_2"], outputs=item["c"], expert_layout=layout,
-                              locks=locks)
+            humming_launch(kernel, item["w"], item["a16"], item["c"], layout, locks)
 
         for item, data in zip(sets, inputs):
             _a_to_fp16(item)

@@ -285,29 +285,31 @@ class Row:
     error: Optional[str] = None
 
 
-def humming_peer(bench, case: MoeCase, b, b_scale, router: Router) -> tuple:
-    """(make, call) of humming's W4A16 grouped GEMM for the case (bench.py's helpers compile it; the weights go
-    through humming's transform here, not timed); make gives fp16 activations and humming's expert layout."""
-    from humming import ops
+def humming_gemm(bench, n: int, k: int, ms: list, codes, scales):
+    """humming's W4A16 grouped GEMM for groups of `ms` rows (its tile is chosen by the group count and the row
+    count only; bench.py's helpers compile it), the codes uint8 [g, n, k/2] and e4m3 scales [g, n, k/16] through
+    its transform here (not timed): call(a fp16 [rows, k], out fp16 [rows, n], layout int32 [g + 1])."""
     from humming.transform import transform_humming_tensors
 
+    layer, _, kernel = bench._with_compiler_fallback(lambda: bench._humming_kernel(n, k, ms))
+    w = transform_humming_tensors(layer, bench.humming_weight_of_codes(codes, scales))
+    locks = torch.zeros(1 << 16, dtype=torch.int32, device=codes.device)
+    return lambda a, out, layout: bench.humming_launch(kernel, w, a, out, layout, locks)
+
+
+def humming_peer(bench, case: MoeCase, b, b_scale, router: Router) -> tuple:
+    """(make, call) of humming's W4A16 grouped GEMM for the case (`humming_gemm`); make gives fp16 activations and
+    humming's expert layout."""
     rows, device = case.tokens * case.top_k, b.device
-    layer, _, kernel = bench._with_compiler_fallback(  # its tile is chosen by E and the row count only
-        lambda: bench._humming_kernel(case.n, case.k, [rows] + [0] * (case.experts - 1)))
-    w = transform_humming_tensors(layer, {"weight": b.view(torch.int32), "weight_scale": b_scale, "weight_scale_2":
-                                          torch.ones(case.experts, dtype=torch.float32, device=device)})
-    locks, zero = torch.zeros(1 << 16, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32,
-                                                                                        device=device)
+    gemm = humming_gemm(bench, case.n, case.k, [rows] + [0] * (case.experts - 1), b, b_scale)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
     out = torch.empty((rows, case.n), dtype=torch.float16, device=device)
 
     def make():
         a, offs = router.dense(torch.float16)
         return a, torch.cat([zero, offs])
 
-    def call(a, layout):
-        ops.launch_kernel(configs=kernel, inputs=a, weight=w["weight"], weight_scale=w["weight_scale"],
-                          weight_scale_2=w["weight_scale_2"], outputs=out, expert_layout=layout, locks=locks)
-    return make, call
+    return make, lambda a, layout: gemm(a, out, layout)
 
 
 def run_case(case: MoeCase, steps: int, check_steps: int, rate: float, bench, humming: bool, rows: list,
@@ -547,24 +549,14 @@ def benchmark_w4a16_lines(bench, humming: bool, rate: float, calls: int = 10, ca
 
 
 def humming_dense(bench, ms: list, n: int, k: int, codes, scales, a, calls: int) -> tuple:
-    """(median µs, worst err/tol) of humming's grouped W4A16 GEMM on fixed groups `ms`: fp16 A (a's values),
-    B's codes and scales through humming's transform (not timed)."""
-    from humming import ops
-    from humming.transform import transform_humming_tensors
-
-    layer, _, kernel = bench._with_compiler_fallback(lambda: bench._humming_kernel(n, k, ms))
-    w = transform_humming_tensors(layer, {"weight": codes.view(torch.int32), "weight_scale": scales,
-                                          "weight_scale_2": torch.ones(len(ms), dtype=torch.float32, device="cuda")})
-    locks = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
-    layout = torch.tensor(bench.humming_expert_layout(ms), dtype=torch.int32, device="cuda")
+    """(median µs, worst err/tol) of humming's grouped W4A16 GEMM (`humming_gemm`) on fixed groups `ms`, fp16 A
+    (a's values)."""
+    gemm = humming_gemm(bench, n, k, ms, codes, scales)
+    layout = torch.tensor(bench.humming_expert_layout(ms), dtype=torch.int32, device=codes.device)
     a16 = a.to(torch.float16)
-    out = torch.full((a.shape[0], n), math.nan, dtype=torch.float16, device="cuda")
-
-    def call():
-        ops.launch_kernel(configs=kernel, inputs=a16, weight=w["weight"], weight_scale=w["weight_scale"],
-                          weight_scale_2=w["weight_scale_2"], outputs=out, expert_layout=layout, locks=locks)
-    took = bench_moe.median_us(call, calls)
-    return took, worst_error_ratio(a16, None, codes, scales, torch.tensor(ms, device="cuda").cumsum(0), out)
+    out = torch.full((a.shape[0], n), math.nan, dtype=torch.float16, device=codes.device)
+    took = bench_moe.median_us(lambda: gemm(a16, out, layout), calls)
+    return took, worst_error_ratio(a16, None, codes, scales, torch.tensor(ms, device=codes.device).cumsum(0), out)
 
 
 def main(args, bench, device="cuda") -> int:
