@@ -1882,8 +1882,9 @@ class Sm90BlockScaledGroupedGemmKernel:
         q = lane % 4
         b_row = 64 * wg + 16 * w + lane // 4
         b_off = b_row * 64 + 16 * (q ^ ((b_row >> 1) & 3))
-        # SFB: this thread's two scale bytes of row b_row (k blocks 2 q, 2 q + 1), one 16-bit word
-        if cutlass.const_expr(self.a16_input):  # W4A16: the row's eight scales of the chunk, two 32-bit words
+        # SFB: this thread's two scale bytes of row b_row (k blocks 2 q, 2 q + 1), one 16-bit word; W4A16: the
+        # row's eight scales of the chunk, two 32-bit words
+        if cutlass.const_expr(self.a16_input):
             sfb_off = (b_row % 32) * 16 + ((b_row // 32) % 4) * 4
         else:
             sfb_off = ((b_row // 128) * self.SF_BYTES + (q // 2) * 512 + (b_row % 32) * 16
@@ -2075,7 +2076,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         # -- this thread's B rows (r, r + 8) and their scale words; then release the stage
         b_words = [ld_shared_v4(stage_b + b_off + 512 * half) for half in range(2)]
         # per row one register of both scales (one 16-bit load, one conversion: no byte select, no 2^7 per
-        # scale), b_sc[r][e] its half e, which `fp4x8_to_f16x2x4` broadcasts (docs/HOPPER_NOTES.md v34)
+        # scale), word t taking its half t // 2, which `fp4x8_to_f16x2x4` broadcasts (docs/HOPPER_NOTES.md v34)
         bf16 = self.config.a_input == "bf16"  # W4A16 with bf16 A: B converted to bf16
         if cutlass.const_expr(self.a16_input):
             # W4A16 (A in its natural k order, B's nibbles in `moe.w4a16_codes`' order): word t of a row spans the
@@ -2083,10 +2084,8 @@ class Sm90BlockScaledGroupedGemmKernel:
             b_scale_words = [[ld_shared_u32(sf_b + sfb_off + 128 * r + 512 * sub) for sub in range(2)]
                              for r in range(2)]
         else:
-            b_pairs = [scale_pair_to_f16x2(ld_shared_u16(sf_b + sfb_off + 128 * half), bf16) for half in range(2)]
+            b_pairs = [scale_pair_to_f16x2(ld_shared_u16(sf_b + sfb_off + 128 * half)) for half in range(2)]
         release_read_stage(stage_pipe, state)
-        if cutlass.const_expr(not self.a16_input):
-            b_sc = [[(b_pairs[r], t // 2) for t in range(4)] for r in range(2)]
         a16_pipe.consumer_wait(a16_state)
         # The previous chunk's fp16 A buffer, released at t == 1 below once its wgmmas have retired. A tile's
         # first chunk releases its pair's spare barrier after the ring instead (`spare`: index num_a16 + pair):
@@ -2107,7 +2106,7 @@ class Sm90BlockScaledGroupedGemmKernel:
                 # word t: k-blocks 2 t, 2 t + 1 (bytes 0-1 or 2-3 of scale word t // 2), "split" over its registers
                 sc = [(scale_pair_to_f16x2(b_scale_words[r][t // 2] >> (16 * (t % 2)), bf16), "split") for r in range(2)]
             else:
-                sc = [b_sc[r][t] for r in range(2)]
+                sc = [(b_pairs[r], t // 2) for r in range(2)]
             o0 = fp4x8_to_f16x2x4(b_words[0][t], *sc[0], bf16)
             o1 = fp4x8_to_f16x2x4(b_words[1][t], *sc[1], bf16)
             for i in cutlass.range_constexpr(4):
