@@ -5,6 +5,7 @@ Comparison (`verbose_allclose`, `match_reference`) runs on any device; the L2 fl
 import os
 import random
 import sys
+from typing import Optional
 
 import torch
 
@@ -118,6 +119,22 @@ L2_FLUSH_FLOATS = 16000 * 1024 * 1024  # the runner's 64 GB of float32
 L2_FLUSH_HEADROOM = 24 << 30  # left free for the benchmark's inputs and peers when the card is smaller
 
 
+def l2_flush_gib_cap() -> Optional[float]:
+    """NVFP4_L2_FLUSH_GIB: the most GiB `clear_l2_cache_large` may take, for several harness processes sharing
+    one card (e.g. the leaderboard mode's result checks of many variants at once, whose timings are then not
+    the runner's anyway). Unset: no cap. Not a positive number: a ValueError naming the variable."""
+    text = os.environ.get("NVFP4_L2_FLUSH_GIB", "").strip()
+    if not text:
+        return None
+    try:
+        cap = float(text)
+    except ValueError:
+        cap = 0.0
+    if not cap > 0:
+        raise ValueError(f"NVFP4_L2_FLUSH_GIB={text!r}: give a positive number of GiB, or leave it unset")
+    return cap
+
+
 def l2_flush_floats(free_bytes: int) -> int:
     """The float32 count of `clear_l2_cache_large`'s tensor on a card with `free_bytes` free: the runner's
     64 GB, or what leaves L2_FLUSH_HEADROOM free, or half of what is free where that is more (a card with
@@ -141,7 +158,11 @@ def clear_l2_cache_large() -> None:
     if not _L2_FLUSH_BUFFER:
         free = torch.cuda.mem_get_info()[0]
         floats = l2_flush_floats(free)
-        if floats < L2_FLUSH_FLOATS:
+        cap = l2_flush_gib_cap()
+        if cap is not None and floats * 4 > cap * 2**30:
+            floats = int(cap * 2**30) // 4
+            print(f"clear_l2_cache_large: {floats * 4 / 2**30:.1f} GiB flush (NVFP4_L2_FLUSH_GIB)", file=sys.stderr)
+        elif floats < L2_FLUSH_FLOATS:
             print(f"clear_l2_cache_large: {floats * 4 / 2**30:.1f} GiB flush (the runner's 62.5 GiB does not fit "
                   f"beside {L2_FLUSH_HEADROOM >> 30} GiB of headroom in the {free / 2**30:.1f} GiB free on this "
                   "card)", file=sys.stderr)

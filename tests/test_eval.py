@@ -278,3 +278,28 @@ def test_l2_flush_is_sized_down_never_refused_when_memory_is_short(monkeypatch, 
     assert allocated == [short // 2 // 4]
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "11.1 GiB flush" in err[0] and "22.3 GiB free" in err[0], err
+
+
+def test_l2_flush_cap_for_processes_sharing_a_card(monkeypatch, capsys):
+    # NVFP4_L2_FLUSH_GIB caps the flush, so that many harness processes fit on one card at once; a bad value is
+    # one clear error, not a silent default.
+    import utils
+
+    gib = 1 << 30
+    allocated = []
+    monkeypatch.setattr(utils.torch.cuda, "mem_get_info", lambda: (139 * gib, 141 * gib))
+    monkeypatch.setattr(utils.torch, "empty", lambda floats, device: allocated.append(floats) or torch.zeros(4))
+    monkeypatch.setenv("NVFP4_L2_FLUSH_GIB", "2")
+    monkeypatch.setattr(utils, "_L2_FLUSH_BUFFER", [])
+    utils.clear_l2_cache_large()
+    assert allocated == [2 * gib // 4]
+    assert "2.0 GiB flush (NVFP4_L2_FLUSH_GIB)" in capsys.readouterr().err
+    monkeypatch.setenv("NVFP4_L2_FLUSH_GIB", "100")  # above the runner's size: the runner's size
+    monkeypatch.setattr(utils, "_L2_FLUSH_BUFFER", [])
+    utils.clear_l2_cache_large()
+    assert allocated[-1] == utils.L2_FLUSH_FLOATS
+    for bad in ("0", "-1", "lots"):
+        monkeypatch.setenv("NVFP4_L2_FLUSH_GIB", bad)
+        monkeypatch.setattr(utils, "_L2_FLUSH_BUFFER", [])
+        with pytest.raises(ValueError, match="NVFP4_L2_FLUSH_GIB"):
+            utils.clear_l2_cache_large()
