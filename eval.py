@@ -144,6 +144,8 @@ SASS_MEANING = {
     "TMAPF": "TMA descriptor prefetches (`UTMACCTL.PF`: the Hopper producer's next group's descriptors)",
     "LDS16": "16-bit shared-memory loads (`LDS.U16`: a Hopper consumer's two B scales of a row)",
     "HBCAST1": "HMUL2 with a broadcast high half (`.H1_H1`: the second of those scales)",
+    "EARLYREL": "mbarrier arrivals after a stage's LDS.128 and before any HMUL2 uses them (must be 0: a stage "
+                "released before its loads are used can be refilled under them)",
 }
 SASS_OPS = tuple(SASS_MEANING)
 # The columns of each arch's table: its own instructions only.
@@ -440,6 +442,23 @@ SASS_PATTERNS = {
 }
 
 
+def early_releases(sass: str) -> int:
+    """EARLYREL: the `SYNCS.ARRIVE` instructions that follow an `LDS.128` (a thread's read of a TMA stage's fp4
+    words) with no `HMUL2` (the conversion that uses them) in between, in program order. Such an arrival may
+    release the stage before the loads have read it: nothing else makes it wait for them (docs/HOPPER_NOTES.md,
+    r43c)."""
+    pending, early = False, 0
+    for match in re.finditer(_SASS_AT + _SASS_PREDICATE + r"([A-Z][A-Z0-9_.]*)", sass):
+        op = match[1]
+        if op.startswith("LDS.128"):
+            pending = True
+        elif op.startswith("HMUL2"):
+            pending = False
+        elif op.startswith("SYNCS.ARRIVE") and pending:
+            early += 1
+    return early
+
+
 def count_sass(sass: str) -> dict[str, int]:
     counts = dict.fromkeys(SASS_OPS, 0)
     for match in re.finditer(_SASS_AT + _SASS_PREDICATE + r"([A-Z][A-Z0-9_]*)", sass):
@@ -447,6 +466,7 @@ def count_sass(sass: str) -> dict[str, int]:
             counts[match[1]] += 1
     for op, pattern in SASS_PATTERNS.items():
         counts[op] = len(re.findall(pattern, sass))
+    counts["EARLYREL"] = early_releases(sass)
     return counts
 
 

@@ -2093,7 +2093,8 @@ class Sm90BlockScaledGroupedGemmKernel:
         stage_b = smem.b + state.index * self.b_bytes
         sf_b = smem.sf + state.index * self.sf_stage_bytes + self.sfb_in_stage
 
-        # -- this thread's B rows (r, r + 8) and their scale words; then release the stage
+        # -- this thread's B rows (r, r + 8) and their scale words; the stage is released once every loaded value
+        # has been used (below)
         b_words = [ld_shared_v4(stage_b + b_off + 512 * half) for half in range(2)]
         # per row one register of both scales (one 16-bit load, one conversion: no byte select, no 2^7 per
         # scale), word t taking its half t // 2, which `fp4x8_to_f16x2x4` broadcasts (docs/HOPPER_NOTES.md v34)
@@ -2105,7 +2106,6 @@ class Sm90BlockScaledGroupedGemmKernel:
                              for r in range(2)]
         else:
             b_pairs = [scale_pair_to_f16x2(ld_shared_u16(sf_b + sfb_off + 128 * half)) for half in range(2)]
-        release_read_stage(stage_pipe, state)
         a16_pipe.consumer_wait(a16_state)
         # The previous chunk's fp16 A buffer, released at t == 1 below once its wgmmas have retired. A tile's
         # first chunk releases its pair's spare barrier after the ring instead (`spare`: index num_a16 + pair):
@@ -2121,6 +2121,15 @@ class Sm90BlockScaledGroupedGemmKernel:
             if t == 1:
                 # every wgmma of the previous chunk has retired: its fp16 A buffer can be refilled
                 a16_pipe.consumer_release(prev_state)
+            if t == (3 if self.a16_input else 1):
+                # The stage, once every value loaded from it has been used: the conversions of quarter t - 1 (both
+                # rows' words at t = 0, W4A16's second scale words at t = 2) issued before that quarter's wgmma,
+                # which precedes this wait, and ptxas keeps an arrival after a wgmma wait (SASS: the release
+                # follows the conversions' HMUL2s). Released right after the loads, or after the conversion in
+                # source order (ptxas hoisted that arrival above the HMUL2s: it reads no loaded register), the
+                # arrival can overtake the loads and the stage be refilled under them: sm90_tile128 in the runner's
+                # leaderboard mode, one column of a tile wrong (docs/HOPPER_NOTES.md, r43c).
+                release_read_stage(stage_pipe, state)
             frag_u32 = cute.recast_tensor(frags[t % 2], cutlass.Uint32)
             # word t: k-blocks 2 t, 2 t + 1 (bytes 0-1 or 2-3 of scale word t // 2), "split" over its registers
             if cutlass.const_expr(bf16):  # the bf16 layout (`moe.w4a16_bf16_bits`), the scales as bytes

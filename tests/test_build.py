@@ -128,6 +128,7 @@ def check_sm90_gemm_sass(sass: dict, config, where) -> None:
     # wgmma groups stay pipelined (one left in flight per wait), not serialized by ptxas
     if expect["pipelined"]:
         assert sass["WGDEP1"] > 0, where
+    assert sass["EARLYREL"] == 0, where  # every stage released after its loaded words are used (r43c)
     assert sass["UTCOMMA"] == 0, where  # no Blackwell instruction leaked in
     assert sass["PR2UR"] == 0, where  # no R2UR under a lane predicate: illegal on sm_90a (eval.py's NOTES)
     assert sass["PREEXIT"] == sass["ACQBULK"] == int(PDL_ON), where  # programmatic dependent launch

@@ -67,6 +67,7 @@ def test_moe_kernels_build_for_sm90a(tmp_path, experts, n, k, build, bf16, a_inp
     counts = ev.count_sass(gemm)
     assert counts["WGDEP1"] > 0, "the GEMM's wgmma waits are not pipelined"
     assert counts["LDL"] == 0 and counts["STL"] == 0, "the GEMM spills to local memory"
+    assert counts["EARLYREL"] == 0, "a stage is released before its loaded words are used"
     assert "HGMMA" in gemm and "HGMMA" not in prepare
     assert "STG.E.128" in prepare and "LDL" not in prepare and "STL" not in prepare
     # one mainloop per tile width (the GEMM's `consume_tile` per width of the build)
