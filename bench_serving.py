@@ -28,7 +28,7 @@ Check: `--serving-check-steps` eager steps and one more replay of the routing + 
 before each), every routed row against a float64 decode: |out - exact| <= 1e-2 + 1e-2 |exact| + 2^-24 sqrt(K)
 sum|a b| (bf16 rounding is at most 2^-8 relative; the last term bounds fp32 accumulation on near-cancelling
 sums); the worst ratio, above 1 fails (exit 1). Progress on stderr; the markdown table and its notes on stdout.
-W4A16 columns: the same layer's weights prepared for bf16 A (`prepare_moe_weights(..., w4a16=torch.bfloat16)`) and bf16
+W4A16 columns: the same layer's weights prepared for 16-bit A (`prepare_moe_weights(..., w4a16=True)`) and bf16
 activations drawn as the peers' are, timed as the peers, checked on their own steps. On Hopper a last table times
 W4A16 on task.yml's four benchmark shapes (`benchmark_w4a16_lines`: bf16 and fp16 A, humming, grouped_mm, floor).
 `--serving-schedule` adds a second table (`schedule_lines`): the entry's kernel, its schedule made on the GPU,
@@ -320,15 +320,15 @@ def run_case(case: MoeCase, steps: int, check_steps: int, rate: float, bench, hu
     say = lambda what: harness.progress(f"[{case.name}] {what}")  # noqa: E731
     b, b_scale = make_weights(case, device)
     wb, ws = moe.prepare_moe_weights(b, b_scale)
-    wb16, ws16 = moe.prepare_moe_weights(b, b_scale, w4a16=torch.bfloat16)  # W4A16's layout for bf16 A
+    wb16 = moe.prepare_moe_weights(b, b_scale, w4a16=True)[0]  # W4A16's order of the codes (same scales)
     router = Router(case, device)
     out = torch.empty((case.tokens * case.top_k, case.n), dtype=torch.bfloat16, device=device)
 
     def gemm(a, a_scale, offs):
         moe.nvfp4_moe_mm(a, a_scale, wb, ws, offs, out=out)
 
-    def gemm16(a, offs):  # W4A16: the same weights in its layout, bf16 activations as they are
-        moe.nvfp4_moe_mm(a, None, wb16, ws16, offs, out=out)
+    def gemm16(a, offs):  # W4A16: the same weights in its order, bf16 activations as they are
+        moe.nvfp4_moe_mm(a, None, wb16, ws, offs, out=out)
 
     active = statistics.fmean(active_experts(router.route()[1]) for _ in range(ACTIVE_DRAWS))
     floor = weight_floor(case.n, case.k, active, rate)[1]
@@ -520,13 +520,12 @@ def benchmark_w4a16_lines(bench, humming: bool, rate: float, calls: int = 10, ca
         pool = scale_pool(bench_moe.B_SCALE_EXP_MAX, device)
         scales = pool[torch.randint(0, len(pool), (g, n, k // 16), generator=gen, device=device)].view(
             torch.float8_e4m3fn)
-        prepared = {dtype: moe.prepare_moe_weights(codes, scales, w4a16=dtype) for dtype in (torch.bfloat16, torch.float16)}
+        wb, ws = moe.prepare_moe_weights(codes, scales, w4a16=True)
         offs = torch.tensor(ms, device=device).cumsum(0).to(torch.int32)
         a = torch.randn((rows, k), generator=gen, device=device).to(torch.bfloat16)
         times, worst = {}, {}
         for name, a_in in (("bf16", a), ("fp16", a.to(torch.float16))):
             out = torch.full((rows, n), math.nan, dtype=a_in.dtype, device=device)
-            wb, ws = prepared[a_in.dtype]
             times[name] = bench_moe.median_us(lambda: moe.nvfp4_moe_mm(a_in, None, wb, ws, offs, out=out), calls)
             worst[name] = worst_error_ratio(a_in, None, codes, scales, offs, out)
         w16 = torch.stack([bench_moe.dequantize(codes[e], scales[e], torch.float32) for e in range(g)]).to(
@@ -544,7 +543,7 @@ def benchmark_w4a16_lines(bench, humming: bool, rate: float, calls: int = 10, ca
         lines.append(f"| {index}: {g} × {ms}, {n}, {k} | {us('bf16')} | {us('fp16')} | {us('humming')} | {ratio} | "
                      f"{us('grouped_mm')} | {floor:.1f} ({times['bf16'] / floor:.2f}×) | {worst['bf16']:.3f}, "
                      f"{worst['fp16']:.3f}; " + (f"{worst['humming']:.3f}" if "humming" in worst else "-") + " |")
-        del codes, scales, prepared, a
+        del codes, scales, wb, ws, a
         torch.cuda.empty_cache()
     return lines
 

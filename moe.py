@@ -568,77 +568,11 @@ def w4a16_order() -> torch.Tensor:
     return order.flatten()
 
 
-# W4A16 with bf16 A: each 32-bit word of `w4a16_codes` has its bits moved so that the consumer's register j is
-# rotl(word, t_j) & BF16_CODE_MASK for j = 0, 1, 2 and, for j = 3, the bits BF16_R3_FIRST of rotl(word, 6) with the
-# rest of rotl(word, 14) (`fp4x8_bits_to_bf16x2x4`): register j's halves are then bf16 codes with a nibble's
-# s, e1, e0, m at bits 15, 8, 7, 6 (+16 for the high half), the e2m1 value * 2^-126. No four rotations of that
-# mask tile a word (nor of fp16's, bits 15, 11, 10, 9), so the fourth register takes two.
-BF16_CODE_BITS = (6, 7, 8, 15)  # a nibble's bit b (m, e0, e1, s) -> its bf16 code's bit
-BF16_CODE_MASK = 0x81C081C0
-BF16_ROTATIONS = (0, 4, 10)
-BF16_R3_ROTATIONS, BF16_R3_FIRST = (6, 14), 0x80C080C0
-# The W4A16-bf16 scale byte of an e4m3 scale s = 2^e (1 + M/8), e in -9..8 (subnormals renormalized): (e + 9) * 8
-# + M, so that byte * 16 + 0x7300 is the bf16 code of s * 2^112 (`scale_bytes_to_bf16x2`).
-BF16_SCALE_BIAS = 0x7300
-
-
-@functools.lru_cache(maxsize=None)
-def w4a16_bf16_bit_tables() -> torch.Tensor:
-    """[4, 256] int64: entry [k, v] is the word with byte k = v of `w4a16_codes`' word, its bits where the bf16
-    layout keeps them (so a word's new value is the OR of its four bytes' entries)."""
-    target = {}  # the source bit 4 n + b -> its position in the stored word
-    for n in range(8):
-        j, half = n % 4, n // 4  # register j holds nibbles j and j + 4
-        for b, bit in enumerate(BF16_CODE_BITS):
-            p = bit + 16 * half
-            if j < 3:
-                rot = BF16_ROTATIONS[j]
-            else:
-                rot = BF16_R3_ROTATIONS[0] if BF16_R3_FIRST >> p & 1 else BF16_R3_ROTATIONS[1]
-            target[4 * n + b] = (p - rot) % 32
-    assert sorted(target.values()) == list(range(32))
-    tables = torch.zeros(4, 256, dtype=torch.int64)
-    for k in range(4):
-        for v in range(256):
-            tables[k, v] = sum(1 << target[8 * k + i] for i in range(8) if v >> i & 1)
-    return tables
-
-
-def w4a16_bf16_bits(codes: torch.Tensor) -> torch.Tensor:
-    """`w4a16_codes`' bytes [..., K/2] (uint8) with each aligned 32-bit word's bits moved into the bf16 layout
-    (`w4a16_bf16_bit_tables`), uint8 of the same shape."""
-    tables = w4a16_bf16_bit_tables().to(codes.device)
-    quads = codes.reshape(-1, 4).long()
-    words = tables[0][quads[:, 0]] | tables[1][quads[:, 1]] | tables[2][quads[:, 2]] | tables[3][quads[:, 3]]
-    out = torch.stack([(words >> (8 * k)) & 0xFF for k in range(4)], dim=-1).to(torch.uint8)
-    return out.reshape(codes.shape)
-
-
-def w4a16_bf16_scales(codes: torch.Tensor, b_scale: torch.Tensor) -> tuple:
-    """(codes, scale bytes) for bf16 A from natural-order codes [..., K/2] (uint8) and e4m3 scales [..., K/16]:
-    each scale as its W4A16-bf16 byte (BF16_SCALE_BIAS); a block with a negative scale gets its codes' signs
-    flipped and |scale|, a block with a zero scale zero codes (its products are zero either way). A NaN scale
-    is refused: a ValueError."""
-    s = b_scale.float()
-    if torch.isnan(s).any():
-        raise ValueError("prepare_moe_weights: b_scale holds NaN; W4A16 with bf16 A needs finite scales")
-    blocks = codes.reshape(*s.shape, 8)
-    flip = (s < 0).to(torch.uint8).unsqueeze(-1) * 0x88
-    keep = (s != 0).to(torch.uint8).unsqueeze(-1) * 0xFF
-    codes = ((blocks ^ flip) & keep).reshape(codes.shape)
-    mantissa, exponent = torch.frexp(s.abs())  # |s| = mantissa 2^exponent, mantissa in [0.5, 1)
-    byte = (exponent - 1 + 9) * 8 + ((mantissa * 2 - 1) * 8).round().int()
-    byte = torch.where(s == 0, torch.zeros_like(byte), byte)
-    return codes, byte.to(torch.uint8)
-
-
-def prepare_moe_weights(b: torch.Tensor, b_scale: torch.Tensor, w4a16: Optional[torch.dtype] = None) -> tuple:
+def prepare_moe_weights(b: torch.Tensor, b_scale: torch.Tensor, w4a16: bool = False) -> tuple:
     """Once per layer: (b as uint8 [E, N, K/2] contiguous, b_scale in the kernels' blocked order as
     [E, N/128, K/64, 512] e4m3), from b [E, N, K/2] (fp4x2 or uint8) and b_scale [E, N, K/16] e4m3.
-    w4a16: the weights for 16-bit activations of that dtype (Hopper). torch.float16: the codes in `w4a16_codes`'
-    order as int8, the scales as for NVFP4 A. torch.bfloat16: those codes with their bits moved
-    (`w4a16_bf16_bits`) and the scales as bytes (`w4a16_bf16_scales`), uint8. `nvfp4_moe_mm` tells the three
-    apart by the dtypes (it reads no values)."""
+    w4a16: the weights for 16-bit activations (Hopper): the codes in `w4a16_codes`' order, as int8, the dtype by
+    which `nvfp4_moe_mm` tells the two layouts apart (it reads no values)."""
     if b.dim() != 3 or b_scale.dim() != 3:
         raise ValueError(f"prepare_moe_weights: b [E, N, K/2] and b_scale [E, N, K/16]; got {tuple(b.shape)} and "
                          f"{tuple(b_scale.shape)}")
@@ -649,20 +583,13 @@ def prepare_moe_weights(b: torch.Tensor, b_scale: torch.Tensor, w4a16: Optional[
                          f"[E, N, K/16]; got b {tuple(b.shape)}, b_scale {tuple(b_scale.shape)}")
     if b_scale.dtype != torch.float8_e4m3fn:
         raise ValueError(f"prepare_moe_weights: b_scale must be torch.float8_e4m3fn, not {b_scale.dtype}")
-    if w4a16 not in (None, torch.float16, torch.bfloat16):
-        raise ValueError(f"prepare_moe_weights: w4a16 is the activations' dtype, torch.bfloat16 or torch.float16 "
-                         f"(None for NVFP4 activations); got {w4a16!r}")
     codes = b.contiguous().view(torch.uint8)
-    scales = b_scale.contiguous().view(torch.uint8)
-    if w4a16 == torch.bfloat16:
-        codes, scales = w4a16_bf16_scales(codes, b_scale.contiguous())
-        codes = w4a16_bf16_bits(w4a16_codes(codes)).view(torch.int8)
-    elif w4a16 == torch.float16:
+    if w4a16:
         codes = w4a16_codes(codes).view(torch.int8)
+    scales = b_scale.contiguous().view(torch.uint8)
     # [E, N/128, 4 (r // 32 % 4), 32 (r % 32), K/64, 4 (k-block % 4)] -> [E, N/128, K/64, 32, 4, 4]
     blocked = scales.view(num_experts, n // 128, 4, 32, k // 64, 4).permute(0, 1, 4, 3, 2, 5).contiguous()
-    blocked = blocked.view(num_experts, n // 128, k // 64, 512)
-    return codes, blocked if w4a16 == torch.bfloat16 else blocked.view(torch.float8_e4m3fn)
+    return codes, blocked.view(num_experts, n // 128, k // 64, 512).view(torch.float8_e4m3fn)
 
 
 _FP4_DTYPES = (torch.uint8,) + ((torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ())
@@ -685,8 +612,8 @@ def check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out_dtype, storage:
          f"{tuple(a.shape)} {a.dtype}")
     num_tokens, k = a.shape[0], a.shape[1] * (1 if a_input != "fp4" else 2)
     half_k = k // 2
-    layout = f"prepare_moe_weights(..., w4a16=torch.{str(a.dtype)[6:]})" if a_input != "fp4" else "prepare_moe_weights"
-    b_dtype = torch.int8 if a_input != "fp4" else torch.uint8
+    b_dtype, layout = (torch.int8, "prepare_moe_weights(..., w4a16=True)") if a_input != "fp4" else (
+        torch.uint8, "prepare_moe_weights")
     need(b.dim() == 3 and b.dtype == b_dtype and b.shape[2] == half_k,
          f"b must be {layout}' [E, N, K/2] {str(b_dtype)[6:]} with K/2 = {half_k} for {a.dtype} a; got "
          f"{tuple(b.shape)} {b.dtype}")
@@ -701,9 +628,8 @@ def check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out_dtype, storage:
              and a_scale.dtype == torch.float8_e4m3fn,
              f"a_scale must be [T, K/16] = [{num_tokens}, {k // 16}] float8_e4m3fn with NVFP4 a; got "
              + ("None" if a_scale is None else f"{tuple(a_scale.shape)} {a_scale.dtype}"))
-    scale_dtype = torch.uint8 if a_input == "bf16" else torch.float8_e4m3fn  # bf16 A: the scales as bytes
-    need(tuple(b_scale.shape) == (num_experts, n // 128, k // 64, 512) and b_scale.dtype == scale_dtype,
-         f"b_scale must be {layout}' [E, N/128, K/64, 512] {str(scale_dtype)[6:]} "
+    need(tuple(b_scale.shape) == (num_experts, n // 128, k // 64, 512) and b_scale.dtype == torch.float8_e4m3fn,
+         f"b_scale must be prepare_moe_weights' [E, N/128, K/64, 512] float8_e4m3fn "
          f"({num_experts}, {n // 128}, {k // 64}, 512); got {tuple(b_scale.shape)} {b_scale.dtype} (raw [E, N, K/16] "
          "scales go through prepare_moe_weights once per layer)")
     need(tuple(offs.shape) == (num_experts,) and offs.dtype == torch.int32,

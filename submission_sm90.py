@@ -911,51 +911,24 @@ def ld_shared_u16(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def scale_pair_to_f16x2(scale_pair, *, loc=None, ip=None):
+def scale_pair_to_f16x2(scale_pair, bf16: bool = False, *, loc=None, ip=None):
     """The two e4m3 bytes in the low 16 bits of `scale_pair` as fp16x2 {s0, s1} (byte 0 the low half), by the
     hardware e4m3x2 -> f16x2 conversion alone: exact for every code, e4m3 NaN gives fp16 NaN
-    (the consumers' B scales: `fp4x8_to_f16x2x4` takes each as a broadcast half)."""
+    (the consumers' B scales: `fp4x8_to_f16x2x4` takes each as a broadcast half).
+    bf16 (W4A16 with bf16 A): bf16x2 {s0 * 2^112, s1 * 2^112} instead, through fp32 (exact: at most 4 significant
+    bits, 448 * 2^112 < 2^127; NaN stays NaN), the factor that makes `fp4x8_to_f16x2x4`'s bf16 codes (value *
+    2^-126) times it the value * 2^-14, as in fp16."""
     ptx = "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $1;\ncvt.rn.f16x2.e4m3x2 $0, lo;\n}"
+    if bf16:
+        ptx = ("{\n.reg .b16 lo, hi;\n.reg .b32 x;\n.reg .f32 f0, f1;\nmov.b32 {lo, hi}, $1;\n"
+               "cvt.rn.f16x2.e4m3x2 x, lo;\nmov.b32 {lo, hi}, x;\ncvt.f32.f16 f0, lo;\ncvt.f32.f16 f1, hi;\n"
+               "mul.f32 f0, f0, 0f77800000;\nmul.f32 f1, f1, 0f77800000;\ncvt.rn.bf16x2.f32 $0, f1, f0;\n}")
     r = _asm(T.i32(), [_u32(scale_pair, loc, ip)], ptx, "=r,r", False, loc, ip)
     return cutlass.Uint32(r)
 
 
 @dsl_user_op
-def scale_bytes_to_bf16x2(scale_word, upper: int, *, loc=None, ip=None):
-    """W4A16 with bf16 A: bytes 2 upper, 2 upper + 1 of `scale_word` (`moe.w4a16_bf16_scales`' bytes, s = 2^e
-    (1 + M/8) as (e + 9) * 8 + M) as bf16x2 {s0 * 2^112, s1 * 2^112}: one prmt puts the bytes at bits 0 and 16,
-    one integer multiply-add makes byte * 16 + 0x7300 of each (exponent e + 112 + 127, mantissa M at bits 4-6).
-    Exact for every finite e4m3 scale (zero and negative ones folded into the codes by the preparation)."""
-    ptx = ("{\n.reg .b32 y;\n"
-           f"prmt.b32 y, $1, 0, {0x4342 if upper else 0x4140:#x};\n"
-           "mad.lo.u32 $0, y, 16, 0x73007300;\n}")
-    r = _asm(T.i32(), [_u32(scale_word, loc, ip)], ptx, "=r,r", False, loc, ip)
-    return cutlass.Uint32(r)
-
-
-@dsl_user_op
-def fp4x8_bits_to_bf16x2x4(word, scale_bf16x2, *, loc=None, ip=None):
-    """W4A16 with bf16 A: a word of `moe.w4a16_bf16_bits`' layout -> the 4 bf16x2 registers that
-    `fp4x8_to_f16x2x4(..., "split")` gives for the same nibbles, in bf16. Register j (j < 3) is the word rotated
-    left by 0, 4, 10 and masked with 0x81C081C0: each half the bf16 code with the nibble's s, e1, e0, m at bits 15,
-    8, 7, 6, the e2m1 value * 2^-126 (e = 0 a bf16 subnormal); register 3 takes bits 0x80C080C0 of the word
-    rotated by 6 and the rest of it rotated by 14 (one lop3), then the mask. 9 integer instructions per word
-    (was 19 through the fp16 codes). Times `scale_bytes_to_bf16x2`'s scale * 2^112, registers 0, 1 by its low
-    half and 2, 3 by its high half: the value * 2^-14, exact (a normal bf16 with at most 6 significant bits)."""
-    r = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_u32(word, loc, ip), _u32(scale_bf16x2, loc, ip)],
-             "{\n.reg .b32 x, y, s, s2;\n.reg .b16 s0, s1;\n"
-             "mov.b32 {s0, s1}, $5;\nmov.b32 s, {s0, s0};\nmov.b32 s2, {s1, s1};\n"
-             "and.b32 x, $4, 0x81C081C0;\nmul.rn.bf16x2 $0, x, s;\n"
-             "shf.l.wrap.b32 x, $4, $4, 4;\nand.b32 x, x, 0x81C081C0;\nmul.rn.bf16x2 $1, x, s;\n"
-             "shf.l.wrap.b32 x, $4, $4, 10;\nand.b32 x, x, 0x81C081C0;\nmul.rn.bf16x2 $2, x, s2;\n"
-             "shf.l.wrap.b32 x, $4, $4, 6;\nshf.l.wrap.b32 y, $4, $4, 14;\nlop3.b32 x, x, y, 0x80C080C0, 0xE4;\n"
-             "and.b32 x, x, 0x81C081C0;\nmul.rn.bf16x2 $3, x, s2;\n}",
-             "=r,=r,=r,=r,r,r", False, loc, ip)
-    return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def fp4x8_to_f16x2x4(word, scale_f16x2, half: Optional[int] = None, *, loc=None, ip=None):
+def fp4x8_to_f16x2x4(word, scale_f16x2, half: Optional[int] = None, bf16: bool = False, *, loc=None, ip=None):
     """8 e2m1 nibbles (nibble i = bits 4i..4i+3) -> 4 fp16x2 registers, register i holding
     (nibble i, nibble i+4) * scale. A nibble's s.e1.e0.m bits go to fp16 bits 15, 11, 10, 9, which is the
     e2m1 value * 2^-14 (the e = 0 case is an fp16 subnormal); times the scale operand: `scale_to_f16x2`'s
@@ -972,22 +945,29 @@ def fp4x8_to_f16x2x4(word, scale_f16x2, half: Optional[int] = None, *, loc=None,
 
     half (0 or 1): `scale_f16x2` holds two scales (`scale_pair_to_f16x2`) and this one multiplies by that
     half of it in both lanes (a register broadcast that ptxas folds into each HMUL2 operand); "split" (W4A16's
-    weight layout, `moe.w4a16_codes`): registers 0 and 1 by half 0, registers 2 and 3 by half 1. (bf16 A:
-    `fp4x8_bits_to_bf16x2x4`.)"""
+    weight layout, `moe.w4a16_codes`): registers 0 and 1 by half 0, registers 2 and 3 by half 1.
+
+    bf16 (W4A16 with bf16 A): the halves are bf16, the scale `scale_pair_to_f16x2(..., bf16=True)`'s: each fp16
+    code h above (bits 15, 11, 10, 9 only) becomes the bf16 code with the same bits at 15, 8, 7, 6 (h & 0x9000 |
+    (h >> 3) & ~0x9000 per half, one lop3: h >> 3 moves no bit across the halves), the e2m1 value * 2^-126
+    (e = 0 a bf16 subnormal), times the scale * 2^112: the value * 2^-14 again, exact (a normal bf16 with at
+    most 6 significant bits). Two more integer instructions per register."""
     scales = ["$5"] * 4 if half is None else (["s", "s", "s2", "s2"] if half == "split" else ["s"] * 4)
     if half == "split":
         broadcast = "mov.b32 {s0, s1}, $5;\nmov.b32 s, {s0, s0};\nmov.b32 s2, {s1, s1};\n"
     else:
         broadcast = "" if half is None else f"mov.b32 {{s0, s1}}, $5;\nmov.b32 s, {{s{half}, s{half}}};\n"
+    mul = "mul.rn.bf16x2" if bf16 else "mul.rn.f16x2"
+    to_bf16 = "shr.b32 t2, h, 3;\nlop3.b32 h, h, t2, 0x90009000, 0xE4;\n" if bf16 else ""
     r = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_u32(word, loc, ip), _u32(scale_f16x2, loc, ip)],
-             "{\n.reg .b32 u, t, w, a, h, s" + (", s2" if half == "split" else "")
+             "{\n.reg .b32 u, t, w, a, h, s" + (", t2" if bf16 else "") + (", s2" if half == "split" else "")
              + ";\n.reg .b16 s0, s1;\n" + broadcast
              + "and.b32 u, $4, 0xF0F0F0F0;\nshr.b32 t, u, 3;\n"
-             f"lop3.b32 h, u, t, 0x8E008E00, 0xA8;\nmul.rn.f16x2 $3, h, {scales[3]};\n"
-             f"lop3.b32 h, u, t, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\nmul.rn.f16x2 $1, h, {scales[1]};\n"
+             f"lop3.b32 h, u, t, 0x8E008E00, 0xA8;\n{to_bf16}{mul} $3, h, {scales[3]};\n"
+             f"lop3.b32 h, u, t, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\n{to_bf16}{mul} $1, h, {scales[1]};\n"
              "and.b32 w, $4, 0x0F0F0F0F;\nshl.b32 a, w, 4;\nshl.b32 w, w, 1;\n"
-             f"lop3.b32 h, a, w, 0x8E008E00, 0xA8;\nmul.rn.f16x2 $2, h, {scales[2]};\n"
-             f"lop3.b32 h, a, w, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\nmul.rn.f16x2 $0, h, {scales[0]};\n}}",
+             f"lop3.b32 h, a, w, 0x8E008E00, 0xA8;\n{to_bf16}{mul} $2, h, {scales[2]};\n"
+             f"lop3.b32 h, a, w, 0x008E008E, 0xA8;\nshl.b32 h, h, 8;\n{to_bf16}{mul} $0, h, {scales[0]};\n}}",
              "=r,=r,=r,=r,r,r", False, loc, ip)
     return [cutlass.Uint32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
 
@@ -2098,7 +2078,7 @@ class Sm90BlockScaledGroupedGemmKernel:
         b_words = [ld_shared_v4(stage_b + b_off + 512 * half) for half in range(2)]
         # per row one register of both scales (one 16-bit load, one conversion: no byte select, no 2^7 per
         # scale), word t taking its half t // 2, which `fp4x8_to_f16x2x4` broadcasts (docs/HOPPER_NOTES.md v34)
-        bf16 = self.config.a_input == "bf16"  # W4A16 with bf16 A: B converted to bf16 from its own layout
+        bf16 = self.config.a_input == "bf16"  # W4A16 with bf16 A: B converted to bf16
         if cutlass.const_expr(self.a16_input):
             # W4A16 (A in its natural k order, B's nibbles in `moe.w4a16_codes`' order): word t of a row spans the
             # k-blocks 2 t, 2 t + 1 of the chunk, so each row's eight scales (two words: k-blocks 0-3, 4-7)
@@ -2131,16 +2111,13 @@ class Sm90BlockScaledGroupedGemmKernel:
                 # leaderboard mode, one column of a tile wrong (docs/HOPPER_NOTES.md, r43c).
                 release_read_stage(stage_pipe, state)
             frag_u32 = cute.recast_tensor(frags[t % 2], cutlass.Uint32)
-            # word t: k-blocks 2 t, 2 t + 1 (bytes 0-1 or 2-3 of scale word t // 2), "split" over its registers
-            if cutlass.const_expr(bf16):  # the bf16 layout (`moe.w4a16_bf16_bits`), the scales as bytes
-                o0, o1 = [fp4x8_bits_to_bf16x2x4(b_words[r][t], scale_bytes_to_bf16x2(b_scale_words[r][t // 2], t % 2))
-                          for r in range(2)]
+            if cutlass.const_expr(self.a16_input):
+                # word t: k-blocks 2 t, 2 t + 1 (bytes 0-1 or 2-3 of scale word t // 2), "split" over its registers
+                sc = [(scale_pair_to_f16x2(b_scale_words[r][t // 2] >> (16 * (t % 2)), bf16), "split") for r in range(2)]
             else:
-                if cutlass.const_expr(self.a16_input):
-                    sc = [(scale_pair_to_f16x2(b_scale_words[r][t // 2] >> (16 * (t % 2))), "split") for r in range(2)]
-                else:
-                    sc = [(b_pairs[r], t // 2) for r in range(2)]
-                o0, o1 = [fp4x8_to_f16x2x4(b_words[r][t], *sc[r]) for r in range(2)]
+                sc = [(b_pairs[r], t // 2) for r in range(2)]
+            o0 = fp4x8_to_f16x2x4(b_words[0][t], *sc[0], bf16)
+            o1 = fp4x8_to_f16x2x4(b_words[1][t], *sc[1], bf16)
             for i in cutlass.range_constexpr(4):
                 step = i // 2
                 slot = i % 2

@@ -51,8 +51,8 @@ def moe_entry(a_dtype=None) -> int:
         a, a_scale = layer.tokens(t) if a_dtype is None else layer.tokens16(t, a_dtype)
         offs = _offs(counts)
         out = torch.full((t, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        b, b_scale = (layer.b, layer.b_scale) if a_dtype is None else layer.w16[a_dtype]
-        moe.nvfp4_moe_mm(a, a_scale, b, b_scale, offs, layer.alpha, out=out)
+        b = layer.b if a_dtype is None else layer.b16
+        moe.nvfp4_moe_mm(a, a_scale, b, layer.b_scale, offs, layer.alpha, out=out)
         torch.cuda.synchronize()
         expected, bound = layer.expected(a, a_scale, offs, layer.alpha)
         try:

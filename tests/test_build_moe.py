@@ -71,11 +71,9 @@ def test_moe_kernels_build_for_sm90a(tmp_path, experts, n, k, build, bf16, a_inp
     assert "HGMMA" in gemm and "HGMMA" not in prepare
     assert "STG.E.128" in prepare and "LDL" not in prepare and "STL" not in prepare
     # one mainloop per tile width (the GEMM's `consume_tile` per width of the build)
-    assert len(widths) >= 1 and ("F2FP.BF16" in gemm) == bf16
+    assert len(widths) >= 1 and ("F2FP.BF16" in gemm) == (bf16 or a_input == "bf16")
     # W4A16: the wgmmas in A's type, B converted to it (bf16: HMUL2.BF16_V2); NVFP4 A: fp16 wgmmas
     assert ("F32.BF16" in gemm) == (a_input == "bf16") and ("HMUL2.BF16" in gemm) == (a_input == "bf16")
-    # bf16 A: B from its own layout by rotations (`fp4x8_bits_to_bf16x2x4`), its scales by a multiply-add, no fp32
-    assert ("SHF.L.W" in gemm) == (a_input == "bf16"), "bf16 A's B conversion is not the rotation form"
 
 
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp16"])

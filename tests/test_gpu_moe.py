@@ -38,14 +38,10 @@ class Layer:
         self.e, self.n, self.k = e, n, k
         self.codes = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
         picks = _scale_codes().cuda()
-        raw = picks[torch.randint(0, len(picks), (e, n, k // 16), device="cuda", generator=gen)]
-        raw.view(-1)[::7] |= 0x80  # negative scales (W4A16-bf16 folds their signs into the codes)
-        raw.view(-1)[::11] = 0  # zero scales (W4A16-bf16 zeroes their codes)
-        self.scales = raw.view(torch.float8_e4m3fn)
+        self.scales = picks[torch.randint(0, len(picks), (e, n, k // 16), device="cuda", generator=gen)].view(
+            torch.float8_e4m3fn)
         self.b, self.b_scale = moe.prepare_moe_weights(self.codes, self.scales)
-        # W4A16's weights per activation dtype: (codes, scales)
-        self.w16 = {dtype: moe.prepare_moe_weights(self.codes, self.scales, w4a16=dtype)
-                    for dtype in (torch.bfloat16, torch.float16)}
+        self.b16 = moe.prepare_moe_weights(self.codes, self.scales, w4a16=True)[0]  # W4A16's layout of the codes
         self.alpha = torch.rand(e, device="cuda", generator=gen, dtype=torch.float32) + 0.25
         self.gen = gen
 
@@ -145,8 +141,7 @@ def test_results_and_schedule(case, kind):
         offs = _offs(counts)
         alpha = layer.alpha if with_alpha else None
         out = torch.full((t, n), float("nan"), dtype=out_dtype, device="cuda")
-        b, b_scale = layer.w16[a_dtype] if w4a16 else (layer.b, layer.b_scale)
-        moe.nvfp4_moe_mm(a, a_scale, b, b_scale, offs, alpha, out=out)
+        moe.nvfp4_moe_mm(a, a_scale, layer.b16 if w4a16 else layer.b, layer.b_scale, offs, alpha, out=out)
         torch.cuda.synchronize()
         expected, bound = layer.expected(a, a_scale, offs, alpha)
         _check(out, expected, bound, out_dtype)
@@ -160,7 +155,7 @@ def test_w4a16_refused_on_b200():
     layer = Layer(8, 256, 512, seed=3)
     a, _ = layer.tokens16(16, torch.bfloat16)
     with pytest.raises(ValueError, match="runs on Hopper only"):
-        moe.nvfp4_moe_mm(a, None, *layer.w16[torch.bfloat16], _offs([2] * 8), None)
+        moe.nvfp4_moe_mm(a, None, layer.b16, layer.b_scale, _offs([2] * 8), None)
 
 
 def _check_schedule(moe, layer, offs, t, out_dtype, a_input="fp4"):
@@ -221,8 +216,8 @@ def test_back_to_back_routings_share_buffers(mixed):
         calls.append((a, a_scale, _offs(counts), out))
     torch.cuda.synchronize()
     for a, a_scale, offs, out in calls:
-        b, b_scale = (layer.b, layer.b_scale) if a_scale is not None else layer.w16[torch.bfloat16]
-        moe.nvfp4_moe_mm(a, a_scale, b, b_scale, offs, layer.alpha, out=out)
+        b = layer.b if a_scale is not None else layer.b16
+        moe.nvfp4_moe_mm(a, a_scale, b, layer.b_scale, offs, layer.alpha, out=out)
     torch.cuda.synchronize()
     for a, a_scale, offs, out in calls:
         expected, bound = layer.expected(a, a_scale, offs, layer.alpha)

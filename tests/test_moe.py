@@ -95,14 +95,14 @@ def test_weight_scales_are_blocked_as_the_kernels_read_them():
 
 
 def test_w4a16_weights_are_a_permutation_within_each_chunk():
-    """prepare_moe_weights(w4a16=torch.float16): the same scales, the codes as int8 in w4a16_codes' order: byte 16 q + 4 t + j
+    """prepare_moe_weights(w4a16=True): the same scales, the codes as int8 in w4a16_codes' order: byte 16 q + 4 t + j
     of a 128-k chunk holds nibbles n = 2 j, 2 j + 1 of consumer column q's word t, n < 4 at k = 32 t + 8 n + 2 q and
     n >= 4 at k = 32 t + 8 (n - 4) + 2 q + 1 (checked here element by element, for every position)."""
     e, n, k = 2, 128, 512
     b = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8)
     scales = torch.randint(0, 127, (e, n, k // 16), dtype=torch.uint8).view(torch.float8_e4m3fn)
     plain, blocked = moe.prepare_moe_weights(b, scales)
-    codes, blocked16 = moe.prepare_moe_weights(b, scales, w4a16=torch.float16)
+    codes, blocked16 = moe.prepare_moe_weights(b, scales, w4a16=True)
     assert codes.dtype == torch.int8 and torch.equal(blocked16, blocked) and codes.shape == b.shape
     natural = torch.stack((b & 15, b >> 4), -1).reshape(e, n, k)
     got = codes.view(torch.uint8)
@@ -115,51 +115,6 @@ def test_w4a16_weights_are_a_permutation_within_each_chunk():
                         m = 2 * j + h
                         kk = chunk * 128 + 32 * t + 8 * (m % 4) + 2 * q + m // 4
                         assert torch.equal(nibble, natural[:, :, kk]), (chunk, q, t, j, h)
-
-
-def test_w4a16_bf16_weights_fold_signs_and_zeros_and_move_bits():
-    """prepare_moe_weights(w4a16=torch.bfloat16): the scales as bytes (e + 9) * 8 + M of |s| = 2^e (1 + M/8), in
-    the blocked order; a block with a negative scale has its codes' signs flipped, one with a zero scale zero codes;
-    the codes are w4a16_codes' with each word's bits moved by a bijection (undone here through the bit tables)."""
-    e, n, k = 2, 128, 512
-    b = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8)
-    raw = torch.randint(0, 256, (e, n, k // 16), dtype=torch.uint8)
-    raw[(raw & 0x7F) == 0x7F] = 0x38
-    raw[0, 0, :4] = torch.tensor([0x00, 0x80, 0xB8, 0x01], dtype=torch.uint8)  # +0, -0, -1, the least subnormal
-    scales = raw.view(torch.float8_e4m3fn)
-    codes, sbytes = moe.prepare_moe_weights(b, scales, w4a16=torch.bfloat16)
-    assert codes.dtype == torch.int8 and codes.shape == b.shape and sbytes.dtype == torch.uint8
-    s = scales.double()
-    values = s.abs()
-    mant, expo = torch.frexp(values)
-    want = torch.where(values == 0, 0, (expo - 1 + 9) * 8 + (mant * 2 - 1) * 8).to(torch.uint8)
-    plain_blocked = moe.prepare_moe_weights  # the bytes in the blocked order of the e4m3 scales(b, want.view(torch.float8_e4m3fn))[1].view(torch.uint8)
-    assert torch.equal(sbytes, plain_blocked)
-    assert int(want[0, 0, 2]) == 9 * 8 and int(want[0, 0, 3]) == 0  # 1.0 -> e = 0; 2^-9 -> e = -9, M = 0
-    # undo the bit move: each stored bit back to its source position
-    tables = moe.w4a16_bf16_bit_tables()
-    inverse = {}
-    for byte in range(4):
-        for bit in range(8):
-            inverse[int(tables[byte, 1 << bit]).bit_length() - 1] = 8 * byte + bit
-    words = codes.view(torch.uint8).reshape(-1, 4).long()
-    stored = words[:, 0] | words[:, 1] << 8 | words[:, 2] << 16 | words[:, 3] << 24
-    source = sum(((stored >> p) & 1) << inverse[p] for p in range(32))
-    nibble_order = torch.stack([(source >> (8 * j)) & 0xFF for j in range(4)], -1).to(torch.uint8).reshape(b.shape)
-    folded = b.view(e, n, k // 16, 8) ^ ((s < 0).to(torch.uint8).unsqueeze(-1) * 0x88)
-    folded = (folded * (s != 0).to(torch.uint8).unsqueeze(-1)).reshape(b.shape)
-    assert torch.equal(nibble_order, moe.w4a16_codes(folded))
-
-
-def test_w4a16_preparation_refuses_what_it_cannot_do_exactly():
-    b = torch.zeros(1, 128, 128, dtype=torch.uint8)
-    scales = torch.full((1, 128, 16), 0x38, dtype=torch.uint8)
-    scales[0, 5, 3] = 0x7F  # NaN
-    with pytest.raises(ValueError, match="NaN"):
-        moe.prepare_moe_weights(b, scales.view(torch.float8_e4m3fn), w4a16=torch.bfloat16)
-    for bad in (True, torch.float32, "bf16"):
-        with pytest.raises(ValueError, match="w4a16 is the activations' dtype"):
-            moe.prepare_moe_weights(b, scales.view(torch.float8_e4m3fn), w4a16=bad)
 
 
 def _meta_args(t=64, e=8, n=256, k=512, device="meta"):
@@ -184,14 +139,11 @@ def test_sixteen_bit_a_is_w4a16(dtype):
     """16-bit A [T, K] with no a_scale: the same T, E, N, K, and A's kind for the GEMM's `a_input`; the fakes
     give the output's shape."""
     args = _meta_args(device="cpu")
-    scale16 = (lambda t: t.view(torch.uint8)) if dtype == torch.bfloat16 else (lambda t: t)  # bf16: scale bytes
-    args.update(a=torch.empty(64, 512, dtype=dtype), a_scale=None, b=args["b"].view(torch.int8),
-                b_scale=scale16(args["b_scale"]))
+    args.update(a=torch.empty(64, 512, dtype=dtype), a_scale=None, b=args["b"].view(torch.int8))
     with pytest.raises(ValueError, match="CUDA GPU"):  # every check but the device's passed
         moe.check_moe_args(*args.values(), None, torch.float16)
     meta = _meta_args()
-    meta.update(a=torch.empty(64, 512, dtype=dtype, device="meta"), a_scale=None, b=meta["b"].view(torch.int8),
-                b_scale=scale16(meta["b_scale"]))
+    meta.update(a=torch.empty(64, 512, dtype=dtype, device="meta"), a_scale=None, b=meta["b"].view(torch.int8))
     assert moe.check_moe_args(*meta.values(), None, torch.float16, storage=False) == (
         64, 8, 256, 512, torch.float16, moe.A16_INPUTS[dtype])
     out = torch.ops.nvfp4_moe.mm(*meta.values(), torch.bfloat16)
@@ -204,13 +156,7 @@ def test_sixteen_bit_a_is_w4a16(dtype):
     (dict(a=torch.empty(64, 256, dtype=torch.float16), a_scale=None, b=torch.empty(8, 256, 256, dtype=torch.int8)),
      "b must be .* K/2 = 128"),
     (dict(a=torch.empty(64, 512, dtype=torch.bfloat16), a_scale=None),
-     "b must be prepare_moe_weights\\(..., w4a16=torch.bfloat16\\)' \\[E, N, K/2\\] int8 .* got \\(8, 256, 256\\) "
-     "torch.uint8"),
-    (dict(a=torch.empty(64, 512, dtype=torch.bfloat16), a_scale=None, b=torch.empty(8, 256, 256, dtype=torch.int8)),
-     "b_scale must be prepare_moe_weights\\(..., w4a16=torch.bfloat16\\)' \\[E, N/128, K/64, 512\\] uint8"),
-    (dict(a=torch.empty(64, 512, dtype=torch.float16), a_scale=None, b=torch.empty(8, 256, 256, dtype=torch.int8),
-          b_scale=torch.empty(8, 2, 8, 512, dtype=torch.uint8)),
-     "b_scale must be prepare_moe_weights\\(..., w4a16=torch.float16\\)' \\[E, N/128, K/64, 512\\] float8_e4m3fn"),
+     "b must be prepare_moe_weights\\(..., w4a16=True\\)' \\[E, N, K/2\\] int8 .* got \\(8, 256, 256\\) torch.uint8"),
     (dict(b=torch.empty(8, 256, 256, dtype=torch.int8)), "b must be prepare_moe_weights' \\[E, N, K/2\\] uint8"),
     (dict(a_scale=None), "a_scale must be .* with NVFP4 a; got None"),
     (dict(a=torch.empty(64, 256, dtype=torch.float32)), "or \\[T, K\\] bfloat16 or float16"),

@@ -8,8 +8,7 @@ so that sum_k Alog[m, k] * Blog[n, k] * 2^21 equals the exact dequantized produc
 times 2^7, B's as they are: a consumer thread's two scale bytes of a row in one 16-bit load and one conversion,
 each multiplied as a broadcast half).
 It mirrors the constants and formulas of submission_sm90.py's helpers (scale_to_f16x2, scale_pair_to_f16x2,
-fp4x8_to_f16x2x4, W4A16's scale_bytes_to_bf16x2 and fp4x8_bits_to_bf16x2x4, the transform and consumer index
-math) and moe.py's W4A16 layouts: change both together.
+fp4x8_to_f16x2x4, their bf16 forms for W4A16, the transform and consumer index math): change both together.
 """
 import numpy as np
 import pytest
@@ -93,22 +92,26 @@ def bf16x2_mul(a, b):
     return bf16_bits(bf16_halves(a) * bf16_halves(b))
 
 
-def rotl(w, t):
-    return ((w << t) | (w >> (32 - t))) & M32 if t else w  # shf.l.wrap.b32 w, w, t
+def scale_pair_to_bf16x2(pair):
+    # scale_pair_to_f16x2(..., bf16=True): the fp16 pair through fp32, times 2^112, to bf16x2
+    return bf16_bits(halves(scale_pair_to_f16x2(pair)) * 2.0 ** 112)
 
 
-def scale_bytes_to_bf16x2(word, upper):
-    # W4A16 with bf16 A: prmt puts bytes 2 upper, 2 upper + 1 at bits 0 and 16, mad.lo makes byte * 16 + 0x7300
-    y = ((word >> (16 * upper)) & 0xFF) | (((word >> (16 * upper + 8)) & 0xFF) << 16)
-    return (y * 16 + 0x73007300) & M32
-
-
-def fp4x8_bits_to_bf16x2x4(w, sc):
-    # W4A16 with bf16 A: registers 0-2 the word rotated by 0, 4, 10 and masked; register 3 bits 0x80C080C0 of it
-    # rotated by 6, the rest rotated by 14 (lop3 LUT 0xE4), masked; registers 0, 1 times the scale's low half
-    mask, first = 0x81C081C0, 0x80C080C0
-    r = [w & mask, rotl(w, 4) & mask, rotl(w, 10) & mask, ((rotl(w, 6) & first) | (rotl(w, 14) & ~first)) & mask]
-    return [bf16x2_mul(r[i], broadcast(sc, i // 2)) for i in range(4)]
+def fp4x8_to_bf16x2x4(w, sc, half):
+    # fp4x8_to_f16x2x4(..., bf16=True): each fp16 code h (bits 15, 11, 10, 9) to the bf16 code with the bits at
+    # 15, 8, 7, 6 by one shift and one lop3 (LUT 0xE4: (h & c) | (t & ~c)), then the bf16 product
+    if half == "split":
+        lo, hi = fp4x8_to_bf16x2x4(w, sc, 0), fp4x8_to_bf16x2x4(w, sc, 1)
+        return lo[:2] + hi[2:]
+    sc = broadcast(sc, half)
+    u = w & 0xF0F0F0F0
+    t = u >> 3
+    lw = w & 0x0F0F0F0F
+    a, b = (lw << 4) & M32, (lw << 1) & M32
+    codes = (lop3_or_and(a, b, 0x008E008E) << 8) & M32, (lop3_or_and(u, t, 0x008E008E) << 8) & M32, \
+        lop3_or_and(a, b, 0x8E008E00), lop3_or_and(u, t, 0x8E008E00)
+    c = 0x90009000
+    return [bf16x2_mul((h & c) | ((h >> 3) & ~c & M32), sc) for h in codes]
 
 
 def halves(u):
@@ -156,40 +159,28 @@ def check_bit_tricks():
 
 
 def check_bf16_bit_tricks():
-    # W4A16 with bf16 A: every finite e4m3 scale through moe.w4a16_bf16_scales' byte (sign and zero folded into
-    # the codes) times every e2m1 code, in either half of a scale word and in every register of a word in the
-    # bf16 bit layout, is the product times 2^-14 exactly (the fp16 path's encoding)
-    import moe
-
-    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    finite = [v for v in range(256) if v & 0x7F != 0x7F]
-    for code in range(16):
-        natural = torch.full((len(finite), 8), code * 0x11, dtype=torch.uint8)  # one 16-k block per scale
-        codes, sbytes = moe.w4a16_bf16_scales(natural, e4m3[finite].view(len(finite), 1))
-        words = moe.w4a16_bf16_bits(codes).view(torch.int32).numpy().astype(np.int64) & M32  # [scales, 2]
-        for i, v in enumerate(finite):
-            want = E2M1[code] * float(e4m3[v].float()) * 2.0 ** -14
-            byte = int(sbytes[i, 0])
-            for upper in range(2):
-                sc = scale_bytes_to_bf16x2(byte * 0x01010101 if upper else byte * 0x0101, upper)
-                for w in words[i]:
-                    for reg in fp4x8_bits_to_bf16x2x4(int(w), sc):
-                        assert (bf16_halves(reg) == want).all(), (code, v, upper)
-    # random words: each register holds the nibbles of the fp16 path's register in the nibble layout
+    # W4A16 with bf16 A: every e2m1 code times every e4m3 code, in either half of the scale pair, is the product
+    # times 2^-14 exactly (the fp16 path's encoding), e2m1 0.5 a bf16 subnormal before the product
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64).numpy()
+    for v in range(256):
+        got = bf16_halves(scale_pair_to_bf16x2((v << 8) | 0x5A))
+        assert got[0] == e4m3[0x5A] * 2.0 ** 112 and ((np.isnan(e4m3[v]) and np.isnan(got[1]))
+                                                        or got[1] == e4m3[v] * 2.0 ** 112), v
+        if v & 0x7F == 0x7F:
+            continue
+        for code in range(16):
+            word = code * 0x11111111
+            for half in range(2):
+                sc = scale_pair_to_bf16x2((v << (8 * half)) | (0x3C << (8 * (1 - half))))
+                for reg in fp4x8_to_bf16x2x4(word, sc, half):
+                    assert (bf16_halves(reg) == E2M1[code] * e4m3[v] * 2.0 ** -14).all(), (code, v, half)
+    # random words: the register order and the nibble pairing are the fp16 path's
     rng = np.random.default_rng(1)
-    for _ in range(300):
-        w = int(rng.integers(0, 2 ** 32))
-        s = int(rng.integers(1, 0x7F))  # a zero scale zeroes the codes (the first part)
-        scaled = torch.tensor([s, s], dtype=torch.uint8).view(torch.float8_e4m3fn).view(1, 2)
-        _, sbytes = moe.w4a16_bf16_scales(torch.zeros(1, 16, dtype=torch.uint8), scaled)
-        bits = int(moe.w4a16_bf16_bits(torch.tensor(list(w.to_bytes(4, "little")), dtype=torch.uint8))
-                   .view(torch.int32).item()) & M32
-        sc16 = scale_pair_to_f16x2(s | (s << 8))
-        sc = scale_bytes_to_bf16x2(int(sbytes[0, 0]) * 0x0101, 0)
-        for r16, r in zip(fp4x8_to_f16x2x4(w, sc16, "split"), fp4x8_bits_to_bf16x2x4(bits, sc)):
+    for _ in range(500):
+        w, s = int(rng.integers(0, 2 ** 32)), int(rng.integers(0, 0x7F))
+        sc16, sc = scale_pair_to_f16x2(s), scale_pair_to_bf16x2(s)
+        for r16, r in zip(fp4x8_to_f16x2x4(w, sc16, 0), fp4x8_to_bf16x2x4(w, sc, 0)):
             assert (halves(r16) == bf16_halves(r)).all(), (hex(w), s)
-    with pytest.raises(ValueError, match="NaN"):
-        moe.w4a16_bf16_scales(torch.zeros(1, 8, dtype=torch.uint8), e4m3[[0x7F]].view(1, 1))
 
 
 def sw64(row, chunk16):
@@ -309,21 +300,14 @@ def check_w4a16_chunk(seed, bf16):
     b_bytes = rng.integers(0, 256, (128, 64), dtype=np.uint8)
     sfb = rng.integers(0, 256, (128, 8)).astype(np.uint8)
     sfb[(sfb & 0x7F) == 0x7F] = 0x38
-    sfb_e4m3 = torch.from_numpy(sfb.copy()).view(torch.float8_e4m3fn)
-    if bf16:  # signs and zeros folded into the codes, the scales as bytes, the codes' bits moved
-        codes16, sbytes = moe.w4a16_bf16_scales(torch.from_numpy(b_bytes.copy()), sfb_e4m3)
-        stage_b = moe.w4a16_bf16_bits(moe.w4a16_codes(codes16)).numpy()
-        sfb_stage = sbytes.numpy()
-    else:
-        stage_b = moe.w4a16_codes(torch.from_numpy(b_bytes.copy())).numpy()
-        sfb_stage = sfb
+    stage_b = moe.w4a16_codes(torch.from_numpy(b_bytes.copy())).numpy()
     stage = np.zeros(8192 + 1024, np.uint8)
     for r in range(128):
         for c in range(4):
             stage[sw64(r, c):sw64(r, c) + 16] = stage_b[r, 16 * c:16 * c + 16]
     for r in range(128):  # the blocked 1 KB scale slice of the chunk
         for j in range(8):
-            stage[8192 + (j // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + j % 4] = sfb_stage[r, j]
+            stage[8192 + (j // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + j % 4] = sfb[r, j]
     u32 = lambda off: int(stage[off:off + 4].view(np.uint32)[0])  # noqa: E731
     blog = np.zeros((128, 128))
     for wg in range(2):
@@ -340,7 +324,7 @@ def check_w4a16_chunk(seed, bf16):
                     for t in range(4):
                         pair = (sw[t // 2] >> (16 * (t % 2))) & 0xFFFF
                         if bf16:
-                            o = fp4x8_bits_to_bf16x2x4(bw[t], scale_bytes_to_bf16x2(sw[t // 2], t % 2))
+                            o = fp4x8_to_bf16x2x4(bw[t], scale_pair_to_bf16x2(pair), "split")
                         else:
                             o = fp4x8_to_f16x2x4(bw[t], scale_pair_to_f16x2(pair), "split")
                         for i in range(4):
