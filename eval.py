@@ -144,14 +144,14 @@ SASS_MEANING = {
     "TMAPF": "TMA descriptor prefetches (`UTMACCTL.PF`: the Hopper producer's next group's descriptors)",
     "LDS16": "16-bit shared-memory loads (`LDS.U16`: a Hopper consumer's two B scales of a row)",
     "HBCAST1": "HMUL2 with a broadcast high half (`.H1_H1`: the second of those scales)",
-    "EARLYREL": "mbarrier arrivals after a stage's LDS.128 and before any HMUL2 uses them (must be 0: a stage "
-                "released before its loads are used can be refilled under them)",
+    "EARLYREL": "arrivals between a stage's LDS.128 and the HMUL2 that uses it (must be 0: docs/HOPPER_NOTES.md r43c)",
 }
 SASS_OPS = tuple(SASS_MEANING)
 # The columns of each arch's table: its own instructions only.
 ARCH_SASS_OPS = {
     "sm_100a": ("UTCOMMA", "UTCQMMA", "UTMALDG", "UTMASTG", "UTCCP", "STG", "LDL", "STL", "PREEXIT", "ACQBULK"),
-    "sm_90a": ("HGMMA", "WGDEP1", "STSM", "UTMALDG", "UTMASTG", "STG", "LDL", "STL", "PREEXIT", "ACQBULK", "PR2UR"),
+    "sm_90a": ("HGMMA", "WGDEP1", "STSM", "UTMALDG", "UTMASTG", "STG", "LDL", "STL", "PREEXIT", "ACQBULK", "PR2UR",
+               "EARLYREL"),
 }
 
 
