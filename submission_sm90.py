@@ -152,10 +152,6 @@ class Sm90GemmConfig:
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
-    late_stage_release: without the prepass only (`sm90_tile128` sets it): the transform warpgroup releases its
-      stage after its conversion is committed instead of right after its loads. Released early, the producer's
-      next TMA write into the stage raced the transform's reads of it: whole rows of a tile wrong in 9 of 12
-      runs of the runner's pattern, none with it (H100, docs/HOPPER_NOTES.md r43).
     The MoE entry's switches (moe.py; the leaderboard's builds leave them off, their PTX unchanged):
     sfa_row_major: the fused A conversion reads A's scales row-major, [rows, K / 16] as a quantization kernel
       writes them (the pointer table's SFA column points at the group's first row), instead of blocked.
@@ -178,7 +174,6 @@ class Sm90GemmConfig:
     split_k: bool = True
     consumer_pairs: int = 1
     a16_buffers: int = 0
-    late_stage_release: bool = False
     sfa_row_major: bool = False
     group_alpha: bool = False
     bf16_out: bool = False
@@ -195,9 +190,6 @@ class Sm90GemmConfig:
         if self.consumer_pairs not in (1, 2) or (self.consumer_pairs == 2 and not (self.m_exact and self.max_width <= 32)):
             raise ValueError(f"Sm90GemmConfig.consumer_pairs={self.consumer_pairs}: 1, or 2 with m_exact and "
                              "max_width <= 32")
-        if self.late_stage_release and self.a16_prepass:
-            raise ValueError("Sm90GemmConfig.late_stage_release: only without a16_prepass (the transform warpgroup's "
-                             "stage release)")
         if self.sfa_row_major and not (self.a16_prepass and self.a16_fused):
             raise ValueError("Sm90GemmConfig.sfa_row_major: only with a16_prepass and a16_fused (the GEMM's own A "
                              "conversion reads the scales)")
@@ -222,9 +214,7 @@ class Sm90GemmConfig:
 # Hopper's kernels by name. custom_kernel picks one per problem (choose_sm90_config); compile_for and the
 # tests can name one.
 SM90_VARIANT_CONFIGS = {
-    # the transform warpgroup releases each stage after its conversion is committed: released right after its loads,
-    # 9 of 12 runs of the runner's pattern were wrong (whole rows of a tile; H100, docs/HOPPER_NOTES.md r43)
-    "sm90_tile128": Sm90GemmConfig(late_stage_release=True),
+    "sm90_tile128": Sm90GemmConfig(),
     "sm90_a16_mexact": Sm90GemmConfig(a16_prepass=True, m_exact=True),
     "sm90_a16_mexact128": Sm90GemmConfig(a16_prepass=True, m_exact=True, max_width=128),
     # widths 16-128: on the Qwen3 decode cases 4.5 % / 7.8 % faster than the wide builds, where 16-64 was 2 %
@@ -1824,8 +1814,6 @@ class Sm90BlockScaledGroupedGemmKernel:
                 words = [ld_shared_v4(stage_a + a_row_off + ((16 * qq) ^ a_swz16)) for qq in range(4)]
                 sf_a = smem.sf + state.index * self.sf_stage_bytes + self.sfa_in_stage + sfa_off
                 sf = [ld_shared_u32(sf_a + 512 * sub) for sub in range(2)]
-                if cutlass.const_expr(not self.config.late_stage_release):
-                    release_read_stage(stage_pipe, state)
                 a16_pipe.producer_acquire(a16_state)
                 a16 = smem.a16 + a16_state.index * self.a16_bytes + a16_row
                 for t in cutlass.range_constexpr(4):
@@ -1839,8 +1827,10 @@ class Sm90BlockScaledGroupedGemmKernel:
                 # the stores are visible to the wgmma (async proxy) before this thread's arrival
                 fence_smem_for_async_proxy()
                 a16_pipe.producer_commit(a16_state)
-                if cutlass.const_expr(self.config.late_stage_release):
-                    release_read_stage(stage_pipe, state)
+                # The stage once its loaded words have been used (the conversion above). Released right after its
+                # loads, the producer's next TMA write into the stage raced them: whole rows of a tile wrong in 9 of
+                # 12 runs of the runner's pattern (H100, docs/HOPPER_NOTES.md r43b; the consumers' twin: r43c).
+                release_read_stage(stage_pipe, state)
                 chunk = chunk + 1
 
     # -----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The runner's leaderboard pattern on one GPU, with the probes of docs/HOPPER_NOTES.md r43 (needs a GPU).
 
-    python tests/pattern_probe.py --setting variant=sm90_tile128 [--setting variant=sm90_tile128,sm90.late_stage_release=on]
+    python tests/pattern_probe.py --setting variant=sm90_tile128 [--setting variant=sm90_a16_mexact]
            [--benches 0,2] [--seeds 90211,4242] [--upper zero|ff]
 
 Per setting (bench.py --ab's forms: variant=NAME, sm90.FIELD=VALUE, pdl=on|off, default), benchmark and seed:

@@ -362,14 +362,13 @@ def test_config_refuses_widths_no_build_can_take(fields, message):
         submission_sm90.Sm90GemmConfig(min_width=16)
 
 
-def test_late_stage_release_is_the_transform_warpgroups():
-    # r43: only a build whose transform warpgroup reads the stages (no prepass) takes it
-    assert submission_sm90.Sm90GemmConfig(late_stage_release=True).late_stage_release
-    with pytest.raises(ValueError, match="late_stage_release: only without a16_prepass"):
-        submission_sm90.Sm90GemmConfig(a16_prepass=True, m_exact=True, late_stage_release=True)
-    # only the build whose transform warpgroup reads the stages sets it (docs/HOPPER_NOTES.md r43)
-    assert [name for name, config in submission_sm90.SM90_VARIANT_CONFIGS.items()
-            if config.late_stage_release] == ["sm90_tile128"]
+def test_no_switch_brings_back_the_early_stage_release():
+    # r43b / r43c: the transform warpgroup and the consumers release a stage only after its loaded words are used;
+    # the switch that kept the transform's early release (`late_stage_release`) is gone, and the build tests count
+    # early arrivals (EARLYREL) in every build's SASS
+    with pytest.raises(TypeError, match="late_stage_release"):
+        submission_sm90.Sm90GemmConfig(late_stage_release=False)
+    assert not [f.name for f in dataclasses.fields(submission_sm90.Sm90GemmConfig) if "release" in f.name]
 
 
 @pytest.mark.parametrize("name", sorted(SM90_CHANGED_CONFIGS))
