@@ -15,6 +15,7 @@ every result against `reference.check_implementation` (rtol = atol = 1e-3, the r
 Skipped without a GPU whose arch has kernels here and nvidia-cutlass-dsl.
 """
 import functools
+import os
 
 import pytest
 import torch
@@ -35,7 +36,21 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs an sm_90 or sm_100 GPU and nvidia-cutlass-dsl")]
 
 INPUTS_PER_BATCH = 15  # harness.NUM_ITERATIONS_PER_BENCHMARK
-BATCHES = 3
+
+
+def batches_from_env(value) -> int:
+    """NVFP4_PATTERN_BATCHES: timing batches per case (default 3). The race of r43c showed in the harness's
+    leaderboard mode after 76 clean re-checked batches of benchmark 0, never in this test's three: a long run is
+    `NVFP4_PATTERN_BATCHES=100 pytest tests/test_gpu_runner_pattern.py -k <variant>`; the build tests' SASS
+    check (`EARLYREL`) is what guards that cause on every build."""
+    if value in (None, ""):
+        return 3
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"NVFP4_PATTERN_BATCHES={value!r}: a positive whole number of timing batches per case")
+    return int(value)
+
+
+BATCHES = batches_from_env(os.environ.get("NVFP4_PATTERN_BATCHES"))
 SEEDS = (90211, 4242, 1111)  # the first two: secret-seed mixes that the defect of r43 failed on
 FLUSH_BYTES = 2 << 30  # evicts a 50-60 MB L2 many times over; the calls queue behind it as on the runner
 

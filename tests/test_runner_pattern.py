@@ -6,7 +6,7 @@ import torch
 
 import reference
 from harness import _clone_data
-from test_gpu_runner_pattern import INPUTS_PER_BATCH, run_runner_pattern
+from test_gpu_runner_pattern import INPUTS_PER_BATCH, batches_from_env, run_runner_pattern
 
 SHAPE = dict(m=[40, 72], n=[128, 256], k=[256, 256], g=2)
 
@@ -57,3 +57,11 @@ def test_a_result_that_depends_on_the_call_before_is_caught(inputs):
     assert run_runner_pattern(right_kernel, datas, checks) is None
     failure = run_runner_pattern(kernel, datas, checks)
     assert failure is not None and "mismatch" in failure
+
+
+def test_batches_from_env():
+    """NVFP4_PATTERN_BATCHES: unset or empty is the suite's 3, a positive count is taken, anything else refused."""
+    assert batches_from_env(None) == 3 and batches_from_env("") == 3 and batches_from_env("100") == 100
+    for bad in ("0", "-2", "ten", "1.5"):
+        with pytest.raises(ValueError, match="NVFP4_PATTERN_BATCHES"):
+            batches_from_env(bad)
