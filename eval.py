@@ -144,7 +144,7 @@ SASS_MEANING = {
     "TMAPF": "TMA descriptor prefetches (`UTMACCTL.PF`: the Hopper producer's next group's descriptors)",
     "LDS16": "16-bit shared-memory loads (`LDS.U16`: a Hopper consumer's two B scales of a row)",
     "HBCAST1": "HMUL2 with a broadcast high half (`.H1_H1`: the second of those scales)",
-    "EARLYREL": "arrivals between a stage's LDS.128 and the HMUL2 that uses it (must be 0: docs/HOPPER_NOTES.md r43c)",
+    "EARLYREL": "arrivals while a stage's LDS.128 result is still unread (must be 0: docs/HOPPER_NOTES.md r43c)",
 }
 SASS_OPS = tuple(SASS_MEANING)
 # The columns of each arch's table: its own instructions only.
@@ -442,20 +442,32 @@ SASS_PATTERNS = {
 }
 
 
+# One SASS instruction: predicate, opcode with modifiers, operands.
+_SASS_INSTRUCTION = re.compile(_SASS_AT + r"(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;\n]*);")
+# Opcodes whose first register operand is read, not written.
+_SASS_NO_DEST = ("ST", "RED", "BAR", "BRA", "SYNCS", "UTMA", "UBLKCP", "WARPGROUP", "MEMBAR", "FENCE", "CCTL", "EXIT",
+                 "RET", "CALL", "BSYNC", "BSSY", "NOP", "YIELD", "WARPSYNC")
+
+
 def early_releases(sass: str) -> int:
-    """EARLYREL: the `SYNCS.ARRIVE` instructions that follow an `LDS.128` (a thread's read of a TMA stage's fp4
-    words) with no `HMUL2` (the conversion that uses them) in between, in program order. Such an arrival may
-    release the stage before the loads have read it: nothing else makes it wait for them (docs/HOPPER_NOTES.md,
-    r43c)."""
-    pending, early = False, 0
-    for match in re.finditer(_SASS_AT + _SASS_PREDICATE + r"([A-Z][A-Z0-9_.]*)", sass):
-        op = match[1]
-        if op.startswith("LDS.128"):
-            pending = True
-        elif op.startswith("HMUL2"):
-            pending = False
-        elif op.startswith("SYNCS.ARRIVE") and pending:
+    """EARLYREL: the `SYNCS.ARRIVE` instructions (barrier arrivals) issued while an `LDS.128` before them (a
+    thread's load of a TMA stage's fp4 words) has had none of its registers read yet, in program order. A load
+    completes asynchronously and only a read of its result waits for it (one scoreboard per load instruction), so
+    such an arrival may release the stage before the load has read it: the defect of docs/HOPPER_NOTES.md r43c.
+    Any barrier's arrival counts (the SASS does not say which barrier a stage's is). The narrower loads (scale
+    words) are not followed: W4A16's second scale words are read after the A ring's release at quarter 1,
+    rightly, and before the stage's at quarter 3."""
+    pending, early = [], 0
+    for match in _SASS_INSTRUCTION.finditer(sass):
+        op, operands = match[1], match[2]
+        registers = [int(r) for r in re.findall(r"\bR(\d+)\b", operands)]
+        writes = not op.startswith(_SASS_NO_DEST) and re.match(r"\s*R\d+\b", operands) is not None
+        read = set(registers[1:] if writes else registers)
+        pending = [loaded for loaded in pending if not loaded & read]
+        if op.startswith("SYNCS.ARRIVE") and pending:
             early += 1
+        if op.startswith("LDS.128") and writes:
+            pending.append(set(range(registers[0], registers[0] + 4)))
     return early
 
 

@@ -121,6 +121,11 @@ def _cpu_runner(monkeypatch, kernel):
     fake.set_variant = lambda name: setattr(fake, "KERNEL_VARIANT", name)
     fake.check_problem_sizes = lambda sizes: (True, "")  # what eval.py checks the cases' shapes with
     monkeypatch.setitem(sys.modules, "submission", fake)
+    # the Hopper names eval.py checks --variants against too (the real module imports from `submission`)
+    hopper = types.ModuleType("submission_sm90")
+    hopper.SM90_VARIANTS = fake.SM90_VARIANTS
+    hopper.set_sm90_variant = lambda name: None
+    monkeypatch.setitem(sys.modules, "submission_sm90", hopper)
     monkeypatch.setattr(ev, "make_pool", lambda *start: _InlinePool(*start))
     monkeypatch.setattr(ev, "gpu_problem", lambda: None)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
@@ -303,3 +308,32 @@ def test_l2_flush_cap_for_processes_sharing_a_card(monkeypatch, capsys):
         monkeypatch.setattr(utils, "_L2_FLUSH_BUFFER", [])
         with pytest.raises(ValueError, match="NVFP4_L2_FLUSH_GIB"):
             utils.clear_l2_cache_large()
+
+
+def _sass(*lines: str) -> str:
+    """cuobjdump-style SASS lines at consecutive addresses."""
+    return "\n".join(f"        /*{16 * i:04x}*/                   {line} ;  /* 0x0 */" for i, line in enumerate(lines))
+
+
+def test_early_releases_counts_arrivals_before_a_load_is_read():
+    # r43c's shape: the stage's fp4 words and scale loaded, the arrival before anything reads them
+    early = _sass("LDS.128 R16, [R6]", "LDS.U16 R9, [R7+0x10]", "SYNCS.ARRIVE.TRANS64.ART0 RZ, [R11+URZ], RZ",
+                  "HMUL2 R20, R16.H0_H0, R9.H0_H0")
+    assert ev.early_releases(early) == 1 and ev.count_sass(early)["EARLYREL"] == 1
+    # the fix: each load's result read (one register of it suffices: one scoreboard per load) before the arrival
+    late = _sass("LDS.128 R16, [R6]", "LDS.U16 R9, [R7+0x10]", "HMUL2 R20, R19.H0_H0, R9.H0_H0",
+                 "@P0 SYNCS.ARRIVE.TRANS64.ART0 RZ, [R11+URZ], RZ")
+    assert ev.early_releases(late) == 0
+    # one load read and the other not is still early; a predicate-writing compare reads its registers; a later
+    # write of the same register number is not a read
+    partial = _sass("LDS.128 R16, [R6]", "LDS.128 R24, [R6+0x200]", "HMUL2 R20, R16.H0_H0, R16.H1_H1",
+                    "MOV R24, 0x1", "SYNCS.ARRIVE.TRANS64.ART0 RZ, [R11+URZ], RZ",
+                    "ISETP.GE.AND P0, PT, R25, 0x1, PT", "SYNCS.ARRIVE.TRANS64 RZ, [R12+URZ], RZ")
+    assert ev.early_releases(partial) == 1
+    # a store reads its data register; a scale word's narrower load is not followed (W4A16 reads its second ones
+    # after the A ring's release, rightly)
+    stored = _sass("LDS.128 R4, [R2]", "STS [R3], R6", "LDS R9, [R2+0x200]", "SYNCS.ARRIVE.TRANS64 RZ, [R12+URZ], RZ")
+    assert ev.early_releases(stored) == 0
+    # an unrelated HMUL2 no longer counts as the use (the rule before this one: any HMUL2 between)
+    unrelated = _sass("LDS.128 R16, [R6]", "HMUL2 R30, R40.H0_H0, R41", "SYNCS.ARRIVE.TRANS64.ART0 RZ, [R11+URZ], RZ")
+    assert ev.early_releases(unrelated) == 1
