@@ -566,12 +566,12 @@ def _listed(args: dict) -> dict:
     return {key: list(v) if isinstance(v, tuple) else v for key, v in args.items()}
 
 
-def pattern_failures(expected: list, outputs: list, check: Callable) -> list:
-    """(index, first line of the check's message) of every output in `outputs` that `check(expected[i],
-    outputs[i])` (the runner's check_implementation) rejects."""
+def pattern_failures(checks: list, outputs: list) -> list:
+    """(index, first line of the check's message) of every output in `outputs` that `checks[i]` (the runner's
+    check, the reference run once: `reference.reference_check`) rejects."""
     failures = []
-    for index, (data, out) in enumerate(zip(expected, outputs)):
-        good, message = check(data, out)
+    for index, (check, out) in enumerate(zip(checks, outputs)):
+        good, message = check(out)
         if not good:
             failures.append((index, first_line(message)))
     return failures
@@ -586,12 +586,12 @@ def job_pattern(args: dict, repeats: int) -> dict:
     checked after it (the runner's leaderboard mode re-checks, but never poisons)."""
     import torch
 
-    from reference import check_implementation, generate_input
+    from reference import generate_input, reference_check
     from submission import custom_kernel
 
     start = time.perf_counter()
     inputs = [generate_input(**_tuples(one)) for one in pattern_case_args(args)]
-    expected = harness._clone_data(inputs)  # the runner's check writes the reference's result into these
+    checks = [reference_check(harness._clone_data(data)) for data in inputs]  # the reference once per input set
     for batch in range(1, repeats + 1):
         try:
             for data in inputs:
@@ -603,7 +603,7 @@ def job_pattern(args: dict, repeats: int) -> dict:
         except Exception as err:
             return dict(status="error", error=f"batch {batch}: {first_line(err)}", cuda_ok=_cuda_usable(),
                         seconds=round(time.perf_counter() - start, 2))
-        failures = pattern_failures(expected, outputs, check_implementation)
+        failures = pattern_failures(checks, outputs)
         if failures:
             index, message = failures[0]
             return dict(status="fail", error=f"batch {batch}, input {index + 1} of {len(inputs)}: {message}",

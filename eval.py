@@ -887,7 +887,8 @@ MODE_HELP = {
     "benchmark": "Time every case of FILE's benchmarks with the runner's method (CUDA events around 15 calls on 15 "
                  "inputs, L2 flushed before each batch, its stop rules): mean ± error in µs, TFLOP/s, GB/s, % of "
                  "the B200 speed of light where FILE gives it, and the geometric mean.",
-    "leaderboard": "As benchmark, with the leaderboard's re-check of every output after each timed batch.",
+    "leaderboard": "As benchmark, with the leaderboard's re-check of every output after each timed batch (the "
+                   "reference run once per input set, not at every re-check as the runner does: the same result).",
     "profile": "One torch profiler table per case of FILE's benchmarks (the kernels by GPU time).",
 }
 

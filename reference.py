@@ -13,10 +13,13 @@ tensor-core result. `ref_kernel_scaled_mm` is the cuBLAS path for Blackwell GPUs
 The generator reproduces the runner's data: fp4 nibbles restricted to sign + 2 low bits (0, ±0.5, ±1, ±1.5),
 scales drawn from {1, 2}, the plain scales on the CPU, everything else on the GPU (CPU when there is none).
 """
+import functools
+from typing import Callable
+
 import torch
 
 from task import input_t, output_t
-from utils import make_match_reference
+from utils import make_match_reference, match_outputs
 
 sf_vec_size = 16  # k-elements that share one scale
 
@@ -173,4 +176,15 @@ def ref_kernel_scaled_mm(data: input_t) -> output_t:
     return results
 
 
-check_implementation = make_match_reference(ref_kernel, rtol=1e-03, atol=1e-03)
+CHECK_TOLERANCE = dict(rtol=1e-03, atol=1e-03)
+check_implementation = make_match_reference(ref_kernel, **CHECK_TOLERANCE)
+
+
+def reference_check(data: input_t) -> Callable[[output_t], tuple]:
+    """check_implementation for one input set with the reference run once, now: the returned function compares
+    an output with that result (the same comparison and tolerance). For checking many outputs of the same,
+    unchanged inputs (the runner's leaderboard mode re-checks every result after every timing batch): the
+    runner's own loop recomputes the reference each time, which gives the same result at many times the GPU
+    time. `data` becomes the reference's (its C tensors hold the result): pass a copy the kernel never sees."""
+    expected = [c.clone() for c in ref_kernel(data)]
+    return functools.partial(match_outputs, expected, **CHECK_TOLERANCE)

@@ -1,6 +1,6 @@
 """Harness helpers with the names and behaviour of the GPU MODE runner's utils.py.
 
-Comparison (`verbose_allclose`, `match_reference`) runs on any device; the L2 flush helpers need CUDA.
+Comparison (`verbose_allclose`, `match_reference`, `match_outputs`) runs on any device; the L2 flush helpers need CUDA.
 """
 import os
 import random
@@ -69,7 +69,11 @@ def verbose_allequal(received: torch.Tensor, expected: torch.Tensor, max_print: 
 
 def match_reference(data, output, reference, rtol=1e-05, atol=1e-08) -> tuple[bool, str]:
     """Runs `reference(data)` and compares each output tensor with it."""
-    expected = reference(data)
+    return match_outputs(reference(data), output, rtol=rtol, atol=atol)
+
+
+def match_outputs(expected, output, rtol=1e-05, atol=1e-08) -> tuple[bool, str]:
+    """Compares each output tensor with the reference's `expected` one (match_reference's comparison)."""
     if len(output) != len(expected):
         return False, f"output length mismatch: got {len(output)}, expected {len(expected)}"
     for i, (output_i, expected_i) in enumerate(zip(output, expected)):

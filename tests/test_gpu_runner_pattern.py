@@ -88,11 +88,11 @@ def variant(request):
 
 
 def _first_failure(checks: list, outputs: list, where: str):
-    for i, (data, out) in enumerate(zip(checks, outputs)):
+    for i, (check, out) in enumerate(zip(checks, outputs)):
         for g, c in enumerate(out):
             if torch.isnan(c).any():
                 return f"{where}, input {i + 1} of {len(checks)}, group {g}: an output element was never written"
-        ok, message = reference.check_implementation(data, out)
+        ok, message = check(out)
         if not ok:
             return f"{where}, input {i + 1} of {len(checks)}: {message}"
     return None
@@ -100,16 +100,17 @@ def _first_failure(checks: list, outputs: list, where: str):
 
 @functools.lru_cache(maxsize=1)
 def _inputs(bench: int, seed: int) -> tuple:
-    """The 15 input sets of the runner's seed walk for one benchmark shape and their check copies, made once for
-    every variant (the tests run variant-innermost, so one shape's inputs are held at a time)."""
+    """The 15 input sets of the runner's seed walk for one benchmark shape and their checks (the reference run
+    once on a copy of each), made once for every variant (the tests run variant-innermost, so one shape's inputs
+    are held at a time)."""
     args = _benchmarks()[bench]
     datas = [reference.generate_input(**args, seed=seed + 42 * (i + 1)) for i in range(INPUTS_PER_BATCH)]
-    return datas, [_clone_data(data) for data in datas]
+    return datas, [reference.reference_check(_clone_data(data)) for data in datas]
 
 
 def run_runner_pattern(custom_kernel, datas: list, checks: list, batches: int = BATCHES):
-    """The runner's leaderboard-mode pattern on one benchmark shape's input sets `datas` (their untouched copies
-    `checks`; see the module docstring); returns the first failure as one line, or None. On CPU tensors (a test
+    """The runner's leaderboard-mode pattern on one benchmark shape's input sets `datas` (`checks`: each one's
+    `reference.reference_check`; see the module docstring); returns the first failure as one line, or None. On CPU tensors (a test
     of this function with a stand-in kernel, tests/test_runner_pattern.py) there is no flush and no sync."""
     cuda = datas[0][0][0][0].is_cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import reference
+from harness import _clone_data as _clone
 from conftest import (TOL, dequant_f64, e2m1_value, e4m3_value, grouped_gemm_f64, load_task_yml,
                       requires_cuda, sum_abs_products_f64)
 
@@ -152,3 +153,23 @@ def test_exact_reference_matches_scaled_mm_on_blackwell():
 def test_generate_input_names_sizes_of_another_length(sizes, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         reference.generate_input(**sizes, seed=1)
+
+
+def test_reference_check_is_check_implementation_with_the_reference_run_once(monkeypatch):
+    data = reference.generate_input(m=[40, 0, 72], n=[128, 128, 128], k=[256, 256, 256], g=3, seed=11)
+    right = reference.ref_kernel(_clone(data))
+    wrong = [c.clone() for c in right]
+    wrong[2][5, 7] += 1.0
+    calls = []
+    real = reference.ref_kernel
+    monkeypatch.setattr(reference, "ref_kernel", lambda d: calls.append(1) or real(d))
+    copy = _clone(data)
+    check = reference.reference_check(copy)
+    for c in copy[0]:
+        c[2].fill_(float("nan"))  # the copy's C tensors held the result; the check keeps its own
+    for _ in range(3):
+        assert check(right) == reference.check_implementation(_clone(data), right) == (True, "")
+        ok, message = check(wrong)
+        assert not ok and message == reference.check_implementation(_clone(data), wrong)[1]
+        assert "ERROR AT (5, 7, 0)" in message
+    assert len(calls) == 1  # reference_check's one run (check_implementation holds the unpatched function)

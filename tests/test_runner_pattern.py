@@ -15,7 +15,7 @@ SHAPE = dict(m=[40, 72], n=[128, 256], k=[256, 256], g=2)
 def inputs():
     datas = [reference.generate_input(**SHAPE, seed=7 + 42 * i) for i in range(INPUTS_PER_BATCH)]
     assert not datas[0][0][0][0].is_cuda
-    return datas, [_clone_data(data) for data in datas]
+    return datas, [reference.reference_check(_clone_data(data)) for data in datas]
 
 
 def right_kernel(data):
