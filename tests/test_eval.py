@@ -191,6 +191,34 @@ def test_protocol_benchmark_reports_wrong_result(tmp_path, monkeypatch):
     assert rc == 112 and kv["benchmark.0.status"] == "fail" and "mismatch" in kv["benchmark.0.error"]
 
 
+def test_protocol_leaderboard_rechecks_every_batch_against_the_reference_run_once(tmp_path, monkeypatch):
+    # a kernel right on the first call of each input set (the obligatory check) and wrong on every later call of the
+    # same input objects (the timed batches): benchmark mode never looks again, leaderboard mode's re-check fails it
+    seen = []
+
+    def late_wrong_kernel(data):
+        out = reference.ref_kernel(data)
+        if any(d is data for d in seen):
+            out[0][3, 5, 0] += 1.0
+        seen.append(data)
+        return out
+
+    with _cpu_runner(monkeypatch, late_wrong_kernel):
+        rc, kv, _ = _run_protocol(tmp_path, "benchmark", [CASE_B])
+        assert rc == 0 and kv["check"] == "pass"
+        seen.clear()
+        rc, kv, _ = _run_protocol(tmp_path, "leaderboard", [CASE_B])
+    assert kv["benchmark.0.status"] == "fail" and "ERROR AT (3, 5, 0)" in kv["benchmark.0.error"]
+    assert kv["check"] == "fail"
+    # a right kernel passes, the reference run once per input set: 15 in the warm-up pass, 15 in the timed one
+    calls = []
+    real = reference.ref_kernel
+    monkeypatch.setattr(reference, "ref_kernel", lambda data: calls.append(1) or real(data))
+    with _cpu_runner(monkeypatch, real):
+        rc, kv, _ = _run_protocol(tmp_path, "leaderboard", [CASE_B])
+    assert kv["check"] == "pass" and int(kv["benchmark.0.runs"]) >= 3 and len(calls) == 2 * 15
+
+
 def test_human_table_and_geomean():
     cases = ev.load_cases(str(ROOT / "task.yml"), "benchmarks")[2:]
     rows = [(cases[0], ev.Stats(5, 4000.0, 10.0, 5.0, 3990.0, 4010.0)),
