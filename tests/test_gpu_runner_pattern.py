@@ -110,8 +110,9 @@ def _inputs(bench: int, seed: int) -> tuple:
 
 def run_runner_pattern(custom_kernel, datas: list, checks: list, batches: int = BATCHES):
     """The runner's leaderboard-mode pattern on one benchmark shape's input sets `datas` (`checks`: each one's
-    `reference.reference_check`; see the module docstring); returns the first failure as one line, or None. On CPU tensors (a test
-    of this function with a stand-in kernel, tests/test_runner_pattern.py) there is no flush and no sync."""
+    `reference.reference_check`; see the module docstring); returns the first failure as one line, or None. On
+    CPU tensors (a test of this function with a stand-in kernel, tests/test_runner_pattern.py) there is no flush
+    and no sync."""
     cuda = datas[0][0][0][0].is_cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     # the obligatory first check, on copies (the runner's order: every call, then every check)
