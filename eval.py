@@ -443,7 +443,7 @@ SASS_PATTERNS = {
 
 
 # One SASS instruction: predicate, opcode with modifiers, operands.
-_SASS_INSTRUCTION = re.compile(_SASS_AT + r"(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;\n]*);")
+_SASS_INSTRUCTION = re.compile(_SASS_AT + _SASS_PREDICATE + r"([A-Z][A-Z0-9_.]*)\s*([^;\n]*);")
 # Opcodes whose first register operand is read, not written.
 _SASS_NO_DEST = ("ST", "RED", "BAR", "BRA", "SYNCS", "UTMA", "UBLKCP", "WARPGROUP", "MEMBAR", "FENCE", "CCTL", "EXIT",
                  "RET", "CALL", "BSYNC", "BSSY", "NOP", "YIELD", "WARPSYNC")

@@ -10,7 +10,8 @@ Here, per variant, benchmark shape and seed: the 15 inputs of the runner's seed 
 obligatory first check on copies, then BATCHES timing-pattern batches. Before each batch every output is
 poisoned with NaN (so an element a batch leaves unwritten shows, which the runner's own recheck would miss: its
 outputs still hold the previous batch's values), then the L2 flush, then the 15 calls queued back to back, then
-every result against `reference.check_implementation` (rtol = atol = 1e-3, the runner's check).
+every result against the runner's check (`reference.reference_check`: check_implementation's comparison,
+rtol = atol = 1e-3, with the reference run once per input set).
 
 Skipped without a GPU whose arch has kernels here and nvidia-cutlass-dsl.
 """
