@@ -1187,21 +1187,29 @@ def sm90_convert_a_items(ptrs: cute.Tensor, sizes: cute.Tensor, a16_base, num_gr
 def sm90_convert_a_item(ptrs: cute.Tensor, g, k, item, group_base, sfa_row_major: cutlass.Constexpr[bool] = False):
     """One item of group g's A (K = k) to fp16 at `group_base` (the group's fp16 A in the workspace).
     sfa_row_major: A's scales are [rows, K / 16] row-major (`Sm90GemmConfig.sfa_row_major`), else blocked."""
+    sm90_convert_a_item_at(ptrs[g, int(PtrColumn.A)], ptrs[g, int(PtrColumn.SFA)], k, item, group_base,
+                           sfa_row_major)
+
+
+@cute.jit
+def sm90_convert_a_item_at(a_base, sfa_base, k, item, group_base, sfa_row_major: cutlass.Constexpr[bool] = False):
+    """`sm90_convert_a_item` on the addresses of the rows' codes (`a_base`, K / 2 bytes a row) and scales
+    (`sfa_base`): what the MoE entry's preparation kernel converts, straight from the caller's tensors."""
     chunks = k // 128
     t = item % 4
     chunk = (item // 4) % chunks
     row = item // (4 * chunks)
     # A: physical k 32 qq + 8 t + [0, 8) of this chunk is word t of the 16-byte column qq.
-    a_row = ptrs[g, int(PtrColumn.A)] + cutlass.Int64(row) * (k // 2) + chunk * 64 + 4 * t
+    a_row = a_base + cutlass.Int64(row) * (k // 2) + chunk * 64 + 4 * t
     words = [ld_global_u32(a_row + 16 * qq) for qq in range(4)]
     # Blocked scales: 512-byte (32 x 4 x 4) atoms, rest_k = K / 64 of them per 128 rows; a chunk is
     # two atoms (sub), byte (row % 32) * 16 + ((row // 32) % 4) * 4 + k-block % 4.
     if cutlass.const_expr(sfa_row_major):
         # row-major: the same four k-blocks per word, consecutive (sub: k-blocks 4 sub .. 4 sub + 3 of the chunk)
-        sf_row = ptrs[g, int(PtrColumn.SFA)] + cutlass.Int64(row) * (k // 16) + chunk * 8
+        sf_row = sfa_base + cutlass.Int64(row) * (k // 16) + chunk * 8
         sf = [ld_global_u32(sf_row + 4 * sub) for sub in range(2)]
     else:
-        sf_row = (ptrs[g, int(PtrColumn.SFA)] + cutlass.Int64(row // 128) * (k // 64) * 512
+        sf_row = (sfa_base + cutlass.Int64(row // 128) * (k // 64) * 512
                   + chunk * 1024 + (row % 32) * 16 + ((row // 32) % 4) * 4)
         sf = [ld_global_u32(sf_row + 512 * sub) for sub in range(2)]
     conv = [fp4x8_to_f16x2x4(words[qq], scale_to_f16x2(
@@ -1421,6 +1429,14 @@ class Sm90BlockScaledGroupedGemmKernel:
         """The TMA atoms of the descriptors, in `descriptor_slots` order (host side of a jit function)."""
         return self.tma_setup()[0]
 
+    def a16_address(self, ptrs: cute.Tensor, sizes: cute.Tensor, group, tensormaps: cute.Tensor):
+        """Where group `group`'s 16-bit A starts (prepass; device side): the caller's tensor (W4A16: the pointer
+        table's A column), else its fp16 A in the workspace, after the earlier groups' (`sm90_a16_group_offset`).
+        The MoE entry's subclass reads it from the pointer table for NVFP4 A too (its preparation converts A)."""
+        if self.a16_input:
+            return ptrs[group, int(PtrColumn.A)]
+        return tensormaps.iterator.toint() + sm90_a16_group_offset(sizes, group, self.num_groups)
+
     def group_descriptor_tensors(self, ptrs: cute.Tensor, sizes: cute.Tensor, group,
                                  tensormaps: cute.Tensor) -> tuple:
         """Group `group`'s global tensors, in `descriptor_slots` order (device side): A and B as fp4 bytes
@@ -1428,12 +1444,9 @@ class Sm90BlockScaledGroupedGemmKernel:
         _, m_size, n_size, k_size = self.group_sizes(sizes, group)
         kb = k_size // 2
         if cutlass.const_expr(self.prepass):
-            if cutlass.const_expr(self.a16_input):
-                a16_addr = ptrs[group, int(PtrColumn.A)]  # the caller's 16-bit A (W4A16)
-            else:
-                a16_addr = tensormaps.iterator.toint() + sm90_a16_group_offset(sizes, group, self.num_groups)
             a_tensor = cute.make_tensor(
-                cute.make_ptr(self.a16_dtype, a16_addr, cute.AddressSpace.gmem, assumed_align=16),
+                cute.make_ptr(self.a16_dtype, self.a16_address(ptrs, sizes, group, tensormaps),
+                              cute.AddressSpace.gmem, assumed_align=16),
                 cute.make_layout((m_size, k_size), stride=(k_size, 1)))
         else:
             a_tensor = cute.make_tensor(

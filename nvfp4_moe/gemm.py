@@ -14,28 +14,36 @@
 
 One call is two launches on torch's current CUDA queue and no host work that reads the routing or grows with E
 (Hopper):
-- `MoePrepareKernel` (one CTA per expert) turns `offs` into the pointer and size tables, the M-exact kernel's work
-  list (each expert's tile width by the host planner's rule, `_sm90_bulk_plan`, the tiles widest first dealt in
-  snake order to a fixed grid of SM-count CTAs) and the experts' TMA descriptors;
-- the Hopper GEMM (`Sm90BlockScaledGroupedGemmKernel` with the MoE switches: the A scales read row-major, alpha,
-  bf16 out; with 16-bit A, `a_input`) converts A (NVFP4 A only) and runs the work list.
-So a layer step can be captured in a CUDA graph and replayed after new routing is written into the same tensors,
-and `torch.ops.nvfp4_moe.mm` (a torch.library op with a fake implementation) traces under
-`torch.compile(fullgraph=True)`. Compiles: one per (E, N, K, build, out dtype, A's kind); buffers: one set per
-(device, CUDA queue, E, N, K, T rounded up to a power of two, build, out dtype, A's kind), reused by every call on
-that queue (calls on one queue run in order; NOTES: two queues never share a set).
+- `MoePrepareKernel` (one CTA per expert, then row blocks) turns `offs` into the pointer and size tables, the
+  M-exact kernel's work list (each expert's tile width by the host planner's rule, `_sm90_bulk_plan`, the tiles
+  widest first dealt in snake order to a fixed grid of SM-count CTAs) and the experts' TMA descriptors; its row
+  blocks convert NVFP4 A to the GEMM's fp16 A and zero the rows of `out` past the last end;
+- the Hopper GEMM (`MoeSm90Gemm`: `Sm90BlockScaledGroupedGemmKernel` with the MoE switches: alpha, bf16 out;
+  with 16-bit A, `a_input`) runs the work list.
+No block of either launch waits for another block, so a call completes beside any other kernel (a
+communication kernel resident on some SMs, MPS or green contexts with fewer SMs): the CTAs that get an SM do the
+work of those that wait. A layer step can be captured in a CUDA graph and replayed after new routing is written
+into the same tensors, and `torch.ops.nvfp4_moe.mm` (a torch.library op with a fake implementation) traces
+under `torch.compile(fullgraph=True)`.
+
+Caches (`cache_info`, `clear_caches`): compiles, one per (E, N, K, build, out dtype, A's kind, PDL); buffers, one
+growing arena per (device, CUDA queue) that has called, at most 1.25 x the largest call's need, and one per
+CUDA-graph capture under way, made from the graph's memory pool (so graphs replayed at the same time never share
+buffers; the first call may be inside a capture). Calls from several threads are serialised around their launches.
 
 Bad `offs` never read or write out of bounds: each end is clamped to [0, T] and to at least the previous end
 (a running maximum), so a decreasing entry makes its expert empty and rows past T belong to no expert. Rows of
-`out` that no expert covers (after the last end) are not written, as torch._grouped_mm leaves them.
+`out` that no expert covers (after the last end) are written as zeros.
 
 On a B200 (sm_100a) the same call runs `MoeSm100PrepareKernel` (the tables, A's scales re-laid out blocked per
 expert, the descriptors, the tile count) and custom_kernel's persistent kernel with the MoE switches; that path
 is built and SASS-checked on every DSL version but has never run (no B200 here). Other GPUs: UnsupportedDeviceError.
 """
+import contextlib
 import ctypes
 import dataclasses
 import functools
+import threading
 from typing import Optional
 
 import torch
@@ -61,7 +69,8 @@ def moe_builds() -> dict:
     the consumer-pairs build (widths 16-32) for a few tokens per expert, as custom_kernel's `sm90_auto` picks
     it (`SM90_NARROW_MEAN_ROWS`); widths 16-128 up to 64 rows per expert; widths 64-128 above."""
     def moe(name: str):
-        return dataclasses.replace(sm90.SM90_VARIANT_CONFIGS[name], sfa_row_major=True, group_alpha=True,
+        # a16_fused off: the GEMM has no conversion phase and no grid-wide barrier (MoePrepareKernel converts A)
+        return dataclasses.replace(sm90.SM90_VARIANT_CONFIGS[name], a16_fused=False, group_alpha=True,
                                    split_k=False)
     return {"pairs": moe("sm90_a16_pairs"), "narrow": moe("sm90_a16_narrow"), "wide": moe("sm90_a16_mexact128")}
 
@@ -137,10 +146,10 @@ def plan_reference(offs: torch.Tensor, num_tokens: int, n: int, k: int, widths: 
 # The per-call preparation kernel
 # ---------------------------------------------------------------------------------------------------------
 @cute.jit
-def expert_rows(offs: cutlass.Int64, num_experts: cutlass.Constexpr[int], num_tokens, lane):
-    """(first rows, rows) of lane `lane`'s experts, l * P .. l * P + P - 1 (P = ceil(E / 32)), as two lists: each
-    end of `offs` clamped to [0, T] and to at least the ends before it (`nvfp4_moe_mm`'s rule): a running
-    maximum, lane-local then across the warp (shuffles). Both arches' preparation kernels start with it."""
+def clamped_ends(offs: cutlass.Int64, num_experts: cutlass.Constexpr[int], num_tokens, lane):
+    """(the clamped ends of lane `lane`'s experts l * P .. l * P + P - 1 as a list, the running maximum through
+    them and every earlier lane's: an inclusive scan across the warp). Lane 31's is the last end: the rows that
+    any expert covers."""
     P = ceil_div(num_experts, 32)
     offs_t = cute.make_tensor(cute.make_ptr(cutlass.Int32, offs, cute.AddressSpace.gmem, assumed_align=4),
                               cute.make_layout((num_experts,)))
@@ -158,6 +167,71 @@ def expert_rows(offs: cutlass.Int64, num_experts: cutlass.Constexpr[int], num_to
     for d in cutlass.range_constexpr(5):
         below = cute.arch.shuffle_sync(incl, (lane - (1 << d)) & 31)
         incl = cutlass.max(incl, below * cutlass.Int32(lane >= (1 << d)))
+    return ends, incl
+
+
+# Rows of C that one of the preparation kernels' row blocks zeroes (`row_blocks`)
+ZERO_ROWS_PER_BLOCK = 4
+
+
+def row_blocks(num_tokens, k: int, threads: int, convert: bool) -> tuple:
+    """(conversion blocks, zeroing blocks) a preparation launch adds after its E expert blocks for T tokens: with
+    `convert` (Hopper, NVFP4 A) one item of A a thread (`sm90_convert_a_item_at`: K / 32 items a row), then a block
+    per ZERO_ROWS_PER_BLOCK rows of C. Host arithmetic on ints or on the launch's Int32."""
+    converting = (num_tokens * (k // 32) + (threads - 1)) // threads if convert else 0
+    return converting, (num_tokens + (ZERO_ROWS_PER_BLOCK - 1)) // ZERO_ROWS_PER_BLOCK
+
+
+@cute.jit
+def row_work(block, offs: cutlass.Int64, num_experts: cutlass.Constexpr[int], num_tokens, a: cutlass.Int64,
+             sfa: cutlass.Int64, a16: cutlass.Int64, c: cutlass.Int64, n: cutlass.Constexpr[int],
+             k: cutlass.Constexpr[int], threads: cutlass.Constexpr[int], convert: cutlass.Constexpr[bool], converting):
+    """Row block `block` (counted after the expert blocks) of a preparation launch, rows of the call that no
+    expert's count depends on, so no block waits for another:
+    - with `convert` (Hopper, NVFP4 A), blocks 0 .. converting - 1: thread-item `block * threads + thread` of the
+      routed rows' A to fp16 at `a16` (row r at a16 + 2 K r), as the fused conversion phase wrote it (the GEMM's
+      fp16 A);
+    - the blocks after: the rows ZERO_ROWS_PER_BLOCK (block - converting) .. + ZERO_ROWS_PER_BLOCK - 1 of C that
+      lie past the last end of `offs` (no expert covers them; the GEMM never writes them) zeroed, so that a
+      caller's padding rows read 0, never garbage or NaN.
+    Each warp finds the last end itself (`clamped_ends`)."""
+    tid, _, _ = cute.arch.thread_idx()
+    lane = cute.arch.lane_idx()
+    _, incl = clamped_ends(offs, num_experts, num_tokens, lane)
+    routed = cute.arch.shuffle_sync(incl, 31)
+    if cutlass.const_expr(convert):
+        if block < converting:
+            item = block * threads + tid
+            row = item // (k // 32)
+            if row < routed:
+                sm90.sm90_convert_a_item_at(a + cutlass.Int64(row) * (k // 2), sfa + cutlass.Int64(row) * (k // 16),
+                                            k, item % (k // 32), a16 + cutlass.Int64(row) * (k * 2), True)
+        else:
+            zero_rows(block - converting, routed, num_tokens, c, n, tid, threads)
+    else:
+        zero_rows(block, routed, num_tokens, c, n, tid, threads)
+
+
+@cute.jit
+def zero_rows(block, routed, num_tokens, c: cutlass.Int64, n: cutlass.Constexpr[int], tid,
+              threads: cutlass.Constexpr[int]):
+    """Zeroing block `block` of `row_work`: its rows of C (N 16-bit values each) at or past `routed`."""
+    for i in cutlass.range_constexpr(ZERO_ROWS_PER_BLOCK):
+        row = block * ZERO_ROWS_PER_BLOCK + i
+        if row >= routed and row < num_tokens:
+            c_row = c + cutlass.Int64(row) * (n * 2)
+            for w in cutlass.range(tid, n // 8, threads, unroll=1):
+                sm90.st_global_v4(c_row + 16 * w, cutlass.Uint32(0), cutlass.Uint32(0), cutlass.Uint32(0),
+                                  cutlass.Uint32(0))
+
+
+@cute.jit
+def expert_rows(offs: cutlass.Int64, num_experts: cutlass.Constexpr[int], num_tokens, lane):
+    """(first rows, rows) of lane `lane`'s experts, l * P .. l * P + P - 1 (P = ceil(E / 32)), as two lists: each
+    end of `offs` clamped to [0, T] and to at least the ends before it (`nvfp4_moe_mm`'s rule): a running
+    maximum, lane-local then across the warp (shuffles). Both arches' preparation kernels start with it."""
+    P = ceil_div(num_experts, 32)
+    ends, incl = clamped_ends(offs, num_experts, num_tokens, lane)
     prev = cute.arch.shuffle_sync(incl, (lane - 1) & 31) * cutlass.Int32(lane >= 1)
     starts, counts = [], []
     for j in cutlass.range_constexpr(P):
@@ -200,6 +274,15 @@ def write_expert_rows(ptr_table: cute.Tensor, size_table: cute.Tensor, e, start,
     size_table[e, int(SizeColumn.K)] = cutlass.Int32(k)
     size_table[e, int(SizeColumn.L)] = alpha_bits
 
+class MoeSm90Gemm(sm90.Sm90BlockScaledGroupedGemmKernel):
+    """Hopper: the M-exact kernel with the MoE switches (`moe_builds`). Its config has `a16_fused` off, so the
+    GEMM converts nothing and has no grid-wide barrier; with NVFP4 A, MoePrepareKernel's row blocks write the
+    fp16 A and its pointer table's A column holds each expert's fp16 A address, where the descriptors point."""
+
+    def a16_address(self, ptrs, sizes, group, tensormaps):
+        return ptrs[group, int(PtrColumn.A)]
+
+
 class MoePrepareKernel:
     """Per call, before the GEMM on the same queue, one warp per expert e (grid E):
     1. every warp scans `offs` (clamped: `nvfp4_moe_mm`'s rule) and each expert's splits and width
@@ -215,8 +298,12 @@ class MoePrepareKernel:
     3. warp 0 writes the header (`cta_offset`: closed form);
     4. warp e writes expert e's TMA descriptors (the code of `GroupTensormapKernel`) and its share of the
        GEMM's workspace reset (`prepare_workspace`).
+    Then the row blocks (`row_work`): with NVFP4 A, the routed rows' A converted to the GEMM's fp16 A in the
+    workspace (the pointer table's A column points there: `MoeSm90Gemm`); C's rows past the last end zeroed.
+    No block waits for another (the GEMM, a launch of its own, has no grid-wide barrier either), so the call
+    completes beside any other kernel, on as many SMs as it gets.
     Launched without programmatic dependent launch: it waits for the GEMM before it on the queue, which reads
-    the same tables, work list and descriptors."""
+    the same tables, work list, descriptors and fp16 A."""
 
     threads = 32
 
@@ -239,7 +326,7 @@ class MoePrepareKernel:
         self.per_lane = ceil_div(num_experts, 32)
         self.header_words = header_words(grid)
         self.costs = tuple(sm90.sm90_tile_cost(w, k) for w in self.widths)
-        self.a_row_bytes = 2 * k if gemm.a16_input else k // 2  # 16-bit A (W4A16) or NVFP4 codes
+        self.convert = not gemm.a16_input  # NVFP4 A: this launch converts it to the GEMM's fp16 A
 
     @cute.jit
     def __call__(self, offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64,
@@ -247,16 +334,35 @@ class MoePrepareKernel:
                  workspace: cutlass.Int64, work: cutlass.Int64, num_tokens: cutlass.Int32, stream: cuda.CUstream):
         E = self.num_experts
         ptr_table, size_table, tensormaps = prepared_tables(tables, workspace, E, len(self.gemm.descriptor_slots))
+        converting, zeroing = row_blocks(num_tokens, self.k, self.threads, self.convert)
         self.kernel(self.gemm.descriptor_atoms(), ptr_table, size_table, tensormaps, offs, a, sfa, b, sfb, c,
-                    alpha, work, num_tokens).launch(grid=(E, 1, 1), block=(self.threads, 1, 1), stream=stream)
+                    alpha, work, num_tokens, converting).launch(grid=(E + converting + zeroing, 1, 1),
+                                                                block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, atoms: tuple, ptr_table: cute.Tensor, size_table: cute.Tensor, tensormaps: cute.Tensor,
                offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64, sfb: cutlass.Int64,
-               c: cutlass.Int64, alpha: cutlass.Int64, work: cutlass.Int64, num_tokens: cutlass.Int32):
+               c: cutlass.Int64, alpha: cutlass.Int64, work: cutlass.Int64, num_tokens: cutlass.Int32,
+               converting: cutlass.Int32):
+        E = self.num_experts
+        e, _, _ = cute.arch.block_idx()
+        # the GEMM's fp16 A (NVFP4 A; `MoeSm90Gemm`): the caller's rows in order, after the workspace's head
+        a16 = tensormaps.iterator.toint() + self.gemm.a16_offset(E)
+        if e >= E:
+            row_work(e - E, offs, E, num_tokens, a, sfa, a16, c, self.n, self.k, self.threads, self.convert,
+                     converting)
+        else:
+            self.expert_work(atoms, ptr_table, size_table, tensormaps, offs, a if not self.convert else a16, sfa, b,
+                             sfb, c, alpha, work, num_tokens, e)
+
+    @cute.jit
+    def expert_work(self, atoms: tuple, ptr_table: cute.Tensor, size_table: cute.Tensor, tensormaps: cute.Tensor,
+                    offs: cutlass.Int64, a16: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64, sfb: cutlass.Int64,
+                    c: cutlass.Int64, alpha: cutlass.Int64, work: cutlass.Int64, num_tokens: cutlass.Int32, e):
+        """Expert block e (steps 1-4 of the class docstring); `a16`: the GEMM's 16-bit A (the caller's with W4A16,
+        the workspace's fp16 copy with NVFP4 A), 2 K bytes a row."""
         E, P = self.num_experts, self.per_lane
         n, k = self.n, self.k
-        e, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         slots = self.gemm.descriptor_slots
 
@@ -274,8 +380,6 @@ class MoePrepareKernel:
         s_rows = storage.rows.get_tensor(cute.make_layout((32 * P,)))
         s_choice = storage.choice.get_tensor(cute.make_layout((32 * P,)))
         s_before = storage.before.get_tensor(cute.make_layout((32 * P,)))
-        offs_t = cute.make_tensor(cute.make_ptr(cutlass.Int32, offs, cute.AddressSpace.gmem, assumed_align=4),
-                                  cute.make_layout((E,)))
         num_widths = len(self.widths)
         n_tiles = n // 128
 
@@ -347,8 +451,8 @@ class MoePrepareKernel:
         wi = choice & 0xFF
         count = choice >> 8
         if lane == 0:
-            write_expert_rows(ptr_table, size_table, e, start, m, (a, sfa + cutlass.Int64(start) * (k // 16), b, sfb,
-                                                                  c, alpha), n, k, self.a_row_bytes)
+            write_expert_rows(ptr_table, size_table, e, start, m, (a16, sfa + cutlass.Int64(start) * (k // 16), b,
+                                                                  sfb, c, alpha), n, k, 2 * k)
         # this expert's first position in the sequence: the tiles of wider widths, then those of its width in
         # earlier experts
         width = cutlass.Int32(self.widths[0])
@@ -413,6 +517,7 @@ class MoeSm100PrepareKernel:
        kernel's TMA reads (32-bit words: four k-blocks of one row); rows past M in its last 128-row block stay
        as they are (they only reach output rows the TMA store clips);
     4. warp 0 writes expert e's TMA descriptors (`GroupTensormapKernel.write_row`).
+    Then the row blocks (`row_work`): C's rows past the last end zeroed.
     Launched without programmatic dependent launch, as the Hopper one. Built and SASS-checked for sm_100a; never
     run (no B200 here)."""
 
@@ -433,18 +538,32 @@ class MoeSm100PrepareKernel:
                  stream: cuda.CUstream):
         E = self.num_experts
         ptr_table, size_table, tensormaps = prepared_tables(tables, workspace, E, len(self.gemm.descriptor_slots))
+        _, zeroing = row_blocks(num_tokens, self.k, self.threads, False)
         self.kernel(self.gemm.descriptor_atoms(), ptr_table, size_table, tensormaps, offs, a, sfa, b, sfb, c,
-                    alpha, workspace, sfa_blocked, num_tokens).launch(grid=(E, 1, 1), block=(self.threads, 1, 1),
-                                                                      stream=stream)
+                    alpha, workspace, sfa_blocked, num_tokens).launch(grid=(E + zeroing, 1, 1),
+                                                                      block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, atoms: tuple, ptr_table: cute.Tensor, size_table: cute.Tensor, tensormaps: cute.Tensor,
                offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64, sfb: cutlass.Int64,
                c: cutlass.Int64, alpha: cutlass.Int64, workspace: cutlass.Int64, sfa_blocked: cutlass.Int64,
                num_tokens: cutlass.Int32):
+        e, _, _ = cute.arch.block_idx()
+        if e >= self.num_experts:  # a row block: C's rows past the last end zeroed (`row_work`)
+            row_work(e - self.num_experts, offs, self.num_experts, num_tokens, a, sfa, cutlass.Int64(0), c, self.n,
+                     self.k, self.threads, False, cutlass.Int32(0))
+        else:
+            self.expert_work(atoms, ptr_table, size_table, tensormaps, offs, a, sfa, b, sfb, c, alpha, workspace,
+                             sfa_blocked, num_tokens, e)
+
+    @cute.jit
+    def expert_work(self, atoms: tuple, ptr_table: cute.Tensor, size_table: cute.Tensor, tensormaps: cute.Tensor,
+                    offs: cutlass.Int64, a: cutlass.Int64, sfa: cutlass.Int64, b: cutlass.Int64, sfb: cutlass.Int64,
+                    c: cutlass.Int64, alpha: cutlass.Int64, workspace: cutlass.Int64, sfa_blocked: cutlass.Int64,
+                    num_tokens: cutlass.Int32, e):
+        """Expert block e: steps 1-4 of the class docstring."""
         E, P = self.num_experts, self.per_lane
         n, k = self.n, self.k
-        e, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -571,8 +690,9 @@ def w4a16_order() -> torch.Tensor:
 def prepare_moe_weights(b: torch.Tensor, b_scale: torch.Tensor, w4a16: bool = False) -> tuple:
     """Once per layer: (b as uint8 [E, N, K/2] contiguous, b_scale in the kernels' blocked order as
     [E, N/128, K/64, 512] e4m3), from b [E, N, K/2] (fp4x2 or uint8) and b_scale [E, N, K/16] e4m3.
-    w4a16: the weights for 16-bit activations (Hopper): the codes in `w4a16_codes`' order, as int8, the dtype by
-    which `nvfp4_moe_mm` tells the two layouts apart (it reads no values)."""
+    w4a16: the weights for 16-bit activations (Hopper): the codes in `w4a16_codes`' order as int8
+    [E, N, K/128, 64], one row of 64 bytes per 128-k chunk: a shape and dtype no raw checkpoint tensor has, by
+    which `nvfp4_moe_mm` tells the layouts apart (it reads no values), so unpermuted codes are refused."""
     if b.dim() != 3 or b_scale.dim() != 3:
         raise ValueError(f"prepare_moe_weights: b [E, N, K/2] and b_scale [E, N, K/16]; got {tuple(b.shape)} and "
                          f"{tuple(b_scale.shape)}")
@@ -585,7 +705,7 @@ def prepare_moe_weights(b: torch.Tensor, b_scale: torch.Tensor, w4a16: bool = Fa
         raise ValueError(f"prepare_moe_weights: b_scale must be torch.float8_e4m3fn, not {b_scale.dtype}")
     codes = b.contiguous().view(torch.uint8)
     if w4a16:
-        codes = w4a16_codes(codes).view(torch.int8)
+        codes = w4a16_codes(codes).view(torch.int8).view(num_experts, n, k // 128, 64)
     scales = b_scale.contiguous().view(torch.uint8)
     # [E, N/128, 4 (r // 32 % 4), 32 (r % 32), K/64, 4 (k-block % 4)] -> [E, N/128, K/64, 32, 4, 4]
     blocked = scales.view(num_experts, n // 128, 4, 32, k // 64, 4).permute(0, 1, 4, 3, 2, 5).contiguous()
@@ -612,12 +732,18 @@ def check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out_dtype, storage:
          f"{tuple(a.shape)} {a.dtype}")
     num_tokens, k = a.shape[0], a.shape[1] * (1 if a_input != "fp4" else 2)
     half_k = k // 2
-    b_dtype, layout = (torch.int8, "prepare_moe_weights(..., w4a16=True)") if a_input != "fp4" else (
-        torch.uint8, "prepare_moe_weights")
-    need(b.dim() == 3 and b.dtype == b_dtype and b.shape[2] == half_k,
-         f"b must be {layout}' [E, N, K/2] {str(b_dtype)[6:]} with K/2 = {half_k} for {a.dtype} a; got "
-         f"{tuple(b.shape)} {b.dtype}")
-    num_experts, n, _ = b.shape
+    if a_input != "fp4":
+        need(b.dim() == 4 and b.dtype == torch.int8 and tuple(b.shape[2:]) == (k // 128, 64),
+             f"b must be prepare_moe_weights(..., w4a16=True)'s [E, N, K/128, 64] int8 with K/128 = {k // 128} for "
+             f"{a.dtype} a (the codes in the W4A16 order); got {tuple(b.shape)} {b.dtype}"
+             + (" (raw [E, N, K/2] codes go through prepare_moe_weights(b, b_scale, w4a16=True) once per layer)"
+                if b.dim() == 3 else ""))
+    else:
+        need(b.dim() == 3 and b.dtype == torch.uint8 and b.shape[2] == half_k,
+             f"b must be prepare_moe_weights' [E, N, K/2] uint8 with K/2 = {half_k} for NVFP4 a; got "
+             f"{tuple(b.shape)} {b.dtype}"
+             + (" (W4A16 weights take 16-bit a)" if b.dtype == torch.int8 else ""))
+    num_experts, n = b.shape[0], b.shape[1]
     need(k % 256 == 0 and k > 0, f"K = {k} must be a positive multiple of 256")
     need(n % 128 == 0 and n > 0, f"N = {n} must be a positive multiple of 128")
     need(0 < num_experts <= MAX_EXPERTS, f"E = {num_experts} experts: 1 to {MAX_EXPERTS}")
@@ -657,21 +783,55 @@ def check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out_dtype, storage:
     return num_tokens, num_experts, n, k, out_dtype, a_input
 
 
-@dataclasses.dataclass
-class _MoeLaunch:
-    """One (device, queue, E, N, K, T bucket, build, out dtype)'s buffers and launchers."""
+@dataclasses.dataclass(frozen=True)
+class _MoeKernels:
+    """One (device, E, N, K, build, out dtype, A's kind, PDL)'s two kernels as launchers. They hold no buffer:
+    every call sets every address, its buffers carved from its queue's arena (`_Arena`)."""
 
-    tables: torch.Tensor
-    workspace: torch.Tensor
-    work: torch.Tensor  # Hopper: the work list; B200: the blocked copy of A's scales
     prepare: CellLauncher
     gemm: CellLauncher
-    fixed: tuple  # the prepare kernel's buffer addresses (tables, workspace, work list or blocked scales)
-    gemm_values: tuple  # the GEMM's arguments but the queue: the buffers' addresses, 0, grid
+    hopper: bool
+    grid: int
+    ptr_words: int  # the pointer table's words: the size table follows it
 
 
-_compiled: dict = {}
-_launches: dict = {}
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a checked signature's calls reuse: the kernels, and where the tables, the workspace (descriptors; on
+    Hopper the fp16 A after them) and the work list (B200: the blocked copy of A's scales) lie in the arena."""
+
+    kernels: _MoeKernels
+    nbytes: int
+    workspace: int
+    tables: int
+    work: int
+
+
+class _Arena:
+    """One growing device buffer that every call of a queue (or of one CUDA-graph capture) carves its buffers
+    from. Calls on one queue run in order, so they share it; it grows to max(need, 1.25 x its size), so it is at
+    most 1.25 x the largest call's need. A smaller one is freed on the queue it was made on (torch's caching
+    allocator reuses its memory only after the work queued there before), a capture's into the graph's pool."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.buffer, self.base, self.nbytes = device, None, 0, 0
+
+    def reserve(self, nbytes: int) -> int:
+        if nbytes > self.nbytes:
+            size = ceil_div(max(nbytes, self.nbytes * 5 // 4), 4096) * 4096
+            self.buffer = None
+            self.buffer = host.aligned_device_buffer(size, 1024, self.device)
+            self.base, self.nbytes = self.buffer.data_ptr(), size
+        return self.base
+
+
+_compiled: dict = {}  # (kind, E, N, K, config, grid) -> compiled kernel
+_kernels: dict = {}  # (device, E, N, K, build, out dtype, A's kind, PDL) -> _MoeKernels
+_arenas: dict = {}  # (device, queue) -> _Arena
+_capture_arenas: dict = {}  # (device, capture id) -> (_Arena, queue): one per CUDA-graph capture
+_signatures: dict = {}  # `_signature` -> its _Plan, or None for an empty T
+_LOCK = threading.Lock()  # a call's launches and its arena: one caller at a time (the launchers' argument cells)
+MAX_SIGNATURES = 1024  # a serving engine has a few shapes per layer kind and batch size
 
 
 def _compile(kind: str, num_experts: int, n: int, k: int, config, grid: int):
@@ -687,7 +847,7 @@ def _compile(kind: str, num_experts: int, n: int, k: int, config, grid: int):
             fn = cute.compile(gemm.on_stream, *host.kernel_args((0, 0, 0, 0, 1)), num_experts, queue)
         _compiled[key] = fn
     elif fn is None:
-        gemm = sm90.Sm90BlockScaledGroupedGemmKernel(num_experts, config)
+        gemm = MoeSm90Gemm(num_experts, config)
         queue = cuda.CUstream(0)
         if kind == "prepare":
             ints = (cutlass.Int64(0),) * 10
@@ -703,9 +863,14 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _launch_for(device: torch.device, queue: int, num_tokens: int, num_experts: int, n: int, k: int,
-                out_dtype, a_input: str = "fp4") -> _MoeLaunch:
-    bucket = 1 << max(num_tokens - 1, 0).bit_length()
+def _hopper_config(build: str, out_dtype, a_input: str):
+    return dataclasses.replace(moe_builds()[build], bf16_out=out_dtype == torch.bfloat16, a_input=a_input,
+                               use_pdl=host.USE_PDL)
+
+
+def _kernels_for(device: torch.device, num_tokens: int, num_experts: int, n: int, k: int, out_dtype,
+                 a_input: str) -> tuple:
+    """(the kernels, the build) of a call of T tokens: compiled and wrapped once per key (`_kernels`)."""
     major, _ = host._device_capability(device.index)
     if major not in (9, 10):
         raise host.UnsupportedDeviceError(f"nvfp4_moe_mm runs on Hopper (sm_90) and B200 (sm_100) GPUs; this GPU is "
@@ -714,95 +879,175 @@ def _launch_for(device: torch.device, queue: int, num_tokens: int, num_experts: 
         raise ValueError("nvfp4_moe_mm: 16-bit a (W4A16) runs on Hopper only; on a B200 give NVFP4 a [T, K/2] with "
                          "its a_scale (the fp4 tensor cores take both operands in fp4)")
     build = choose_build(num_tokens, num_experts) if major == 9 else "b200"
-    key = (device.index, queue, num_experts, n, k, bucket, build, out_dtype, a_input)
-    launch = _launches.get(key)
-    if launch is not None:
-        return launch
-    if major == 10:
-        launch = _launches[key] = _b200_launch(device, num_experts, n, k, bucket, out_dtype)
-        return launch
-    config = dataclasses.replace(moe_builds()[build], bf16_out=out_dtype == torch.bfloat16, a_input=a_input,
-                                 sfa_row_major=a_input == "fp4")
+    key = (device.index, num_experts, n, k, build, out_dtype, a_input, host.USE_PDL)
+    kernels = _kernels.get(key)
+    if kernels is not None:
+        return kernels, build
     grid = _sm_count(device.index)
-    kernel = sm90.Sm90BlockScaledGroupedGemmKernel
-    ptr_words, words = table_words(num_experts)
-    with torch.cuda.device(device):
-        tables = torch.empty(words, dtype=torch.int64, device=device)
-        a16_bytes = bucket * k * 2 if a_input == "fp4" else 0  # NVFP4 A converted to fp16 there
-        workspace = host.aligned_device_buffer(ceil_div(kernel.a16_offset(num_experts) + a16_bytes, 1024) * 1024,
-                                               1024, device)
-        work = torch.empty(header_words(grid) + 8 * max_parts(bucket, num_experts, n, config.widths),
-                           dtype=torch.int32, device=device)
-        prepare = CellLauncher(_compile("prepare", num_experts, n, k, config, grid),
-                               (*(cutlass.Int64(0),) * 10, cutlass.Int32(1), cuda.CUstream(0)),
-                               (ctypes.c_int64,) * 10 + (ctypes.c_int32, ctypes.c_void_p), device.index)
-        gemm_values = (tables.data_ptr(), tables.data_ptr() + 8 * ptr_words, workspace.data_ptr(), work.data_ptr(), 0,
-                       grid)
+    config = _hopper_config(build, out_dtype, a_input) if major == 9 else dataclasses.replace(
+        b200_config(out_dtype), use_pdl=host.USE_PDL)
+    prepare = CellLauncher(_compile("prepare", num_experts, n, k, config, grid),
+                           (*(cutlass.Int64(0),) * 10, cutlass.Int32(1), cuda.CUstream(0)),
+                           (ctypes.c_int64,) * 10 + (ctypes.c_int32, ctypes.c_void_p), device.index)
+    if major == 9:
         gemm = CellLauncher(_compile("gemm", num_experts, n, k, config, grid),
-                            (*sm90.sm90_gemm_args(gemm_values), cuda.CUstream(0)),
+                            (*sm90.sm90_gemm_args((0, 0, 0, 0, 0, grid)), cuda.CUstream(0)),
                             (ctypes.c_int64,) * 4 + (ctypes.c_int32,) * 2 + (ctypes.c_void_p,), device.index)
-    launch = _launches[key] = _MoeLaunch(tables, workspace, work, prepare, gemm,
-                                         (tables.data_ptr(), workspace.data_ptr(), work.data_ptr()), gemm_values)
-    return launch
+    else:
+        gemm = CellLauncher(_compile("gemm", num_experts, n, k, config, grid),
+                            (*host.kernel_args((0, 0, 0, 0, grid)), cuda.CUstream(0)),
+                            (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2 + (ctypes.c_void_p,), device.index)
+    kernels = _kernels[key] = _MoeKernels(prepare, gemm, major == 9, grid, table_words(num_experts)[0])
+    return kernels, build
+
+
+def buffer_bytes(hopper: bool, num_tokens: int, num_experts: int, n: int, k: int, a_input: str, widths: tuple,
+                 grid: int) -> tuple:
+    """(bytes in all, workspace offset, tables offset, work offset) of one call's buffers in its arena, each
+    1024-aligned: the workspace (Hopper: descriptor rows and counters, then with NVFP4 A the fp16 A, 2 K bytes a
+    token; B200: the descriptor rows and the tile count), the pointer and size tables, and the work list (Hopper:
+    header and at most `max_parts` parts of 32 bytes) or the blocked copy of A's scales (B200: each expert's rows
+    rounded up to 128, at most T + 127 E rows of K / 16 bytes)."""
+    def up(x: int) -> int:
+        return ceil_div(x, 1024) * 1024
+
+    if hopper:
+        workspace = MoeSm90Gemm.a16_offset(num_experts) + (num_tokens * k * 2 if a_input == "fp4" else 0)
+        work = 4 * (header_words(grid) + 8 * max_parts(num_tokens, num_experts, n, widths))
+    else:
+        workspace = MoeSm100Gemm.tensormap_workspace_bytes(num_experts) + 128
+        work = (num_tokens + 127 * num_experts) * (k // 16)
+    tables = up(workspace)
+    work_at = tables + up(8 * table_words(num_experts)[1])
+    return work_at + up(work), 0, tables, work_at
 
 
 def _signature(a, a_scale, b, b_scale, offs, alpha, out) -> tuple:
-    """What the checks read of the tensors (shapes, dtypes, devices, contiguity), read cheaply: a call whose
-    signature was checked before skips the checks (`_moe_mm_into`; only the addresses are checked each call)."""
+    """What the checks read of the tensors (shapes, dtypes, devices, contiguity), read cheaply, and the queue: a
+    call whose signature was checked before skips the checks (`_moe_mm_into`; only the addresses are checked each
+    call)."""
     tensors = (a, a_scale, b, b_scale, offs, out) if alpha is None else (a, a_scale, b, b_scale, offs, out, alpha)
     return (tuple(None if t is None else (t.shape, t.dtype, t.get_device(), t.is_contiguous()) for t in tensors),
             torch._C._cuda_getCurrentRawStream(a.get_device()) if a.is_cuda else None)
 
 
-_signatures: dict = {}  # `_signature` -> its _MoeLaunch, or the checks' result for an empty T
+def _plan_for(signature, a, a_scale, b, b_scale, offs, alpha, out) -> Optional[_Plan]:
+    """The checks and the kernels of a new signature; None when T = 0 (nothing to launch)."""
+    num_tokens, num_experts, n, k, out_dtype, a_input = check_moe_args(a, a_scale, b, b_scale, offs, alpha, out,
+                                                                        out.dtype)
+    if num_tokens == 0:
+        return None
+    with torch.cuda.device(a.device), _relaxed_capture():  # a first call inside a capture compiles here
+        kernels, build = _kernels_for(a.device, num_tokens, num_experts, n, k, out_dtype, a_input)
+    widths = moe_builds()[build].widths if kernels.hopper else ()
+    return _Plan(kernels, *buffer_bytes(kernels.hopper, num_tokens, num_experts, n, k, a_input, widths, kernels.grid))
 
 
-def _b200_launch(device: torch.device, num_experts: int, n: int, k: int, bucket: int, out_dtype) -> _MoeLaunch:
-    """B200's buffers and launchers (built and SASS-checked for sm_100a; never run: no B200 here). The third
-    buffer is the blocked copy of A's scales: each expert's rows rounded up to 128, at most T + 127 E rows."""
-    config = b200_config(out_dtype)
-    grid = _sm_count(device.index)
-    ptr_words, words = table_words(num_experts)
-    with torch.cuda.device(device):
-        tables = torch.empty(words, dtype=torch.int64, device=device)
-        workspace = host.aligned_device_buffer(MoeSm100Gemm.tensormap_workspace_bytes(num_experts) + 128, 1024, device)
-        sfa_blocked = host.aligned_device_buffer((bucket + 127 * num_experts) * (k // 16) + 1024, 1024, device)
-        prepare = CellLauncher(_compile("prepare", num_experts, n, k, config, grid),
-                               (*(cutlass.Int64(0),) * 10, cutlass.Int32(1), cuda.CUstream(0)),
-                               (ctypes.c_int64,) * 10 + (ctypes.c_int32, ctypes.c_void_p), device.index)
-        gemm_values = (tables.data_ptr(), tables.data_ptr() + 8 * ptr_words, workspace.data_ptr(), 0, grid)
-        gemm = CellLauncher(_compile("gemm", num_experts, n, k, config, grid),
-                            (*host.kernel_args(gemm_values), cuda.CUstream(0)),
-                            (ctypes.c_int64,) * 3 + (ctypes.c_int32,) * 2 + (ctypes.c_void_p,), device.index)
-    return _MoeLaunch(tables, workspace, sfa_blocked, prepare, gemm,
-                      (tables.data_ptr(), workspace.data_ptr(), sfa_blocked.data_ptr()), gemm_values)
+def _capture_id(queue: int) -> Optional[int]:
+    """The id of the CUDA-graph capture under way on `queue`, or None."""
+    result = cuda.cuStreamGetCaptureInfo(cuda.CUstream(queue))
+    if result[0] != cuda.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"nvfp4_moe_mm: cuStreamGetCaptureInfo failed: {result[0]}")
+    active = result[1] == cuda.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+    return int(result[2]) if active else None
+
+
+@contextlib.contextmanager
+def _relaxed_capture():
+    """This thread's CUDA-graph capture mode relaxed while it compiles and loads kernels, so that a first call
+    inside a capture needs no eager warm-up (module loading is not a queue operation, but a global-mode capture
+    refuses it). Nothing changes outside a capture."""
+    if not torch.cuda.is_available() or not torch.cuda.is_current_stream_capturing():
+        yield
+        return
+    relaxed = cuda.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    err, previous = cuda.cuThreadExchangeStreamCaptureMode(relaxed)
+    if err != cuda.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"nvfp4_moe_mm: cuThreadExchangeStreamCaptureMode failed: {err}")
+    try:
+        yield
+    finally:
+        cuda.cuThreadExchangeStreamCaptureMode(previous)
+
+
+def _arena(device: torch.device, queue: int, capturing: bool) -> _Arena:
+    """The arena of this call: its queue's, or (inside a CUDA-graph capture) the capture's own, made from the
+    graph's memory pool, so that graphs replayed at the same time never share buffers. Captures that have ended
+    let go of theirs (the graph keeps the memory: its pool)."""
+    if _capture_arenas:
+        for key, (_, q) in list(_capture_arenas.items()):
+            if _capture_id(q) != key[1]:
+                del _capture_arenas[key]
+    if not capturing:
+        arena = _arenas.get((device.index, queue))
+        if arena is None:
+            arena = _arenas[(device.index, queue)] = _Arena(device)
+        return arena
+    key = (device.index, _capture_id(queue))
+    entry = _capture_arenas.get(key)
+    if entry is None:
+        entry = _capture_arenas[key] = (_Arena(device), queue)
+    return entry[0]
 
 
 def _moe_mm_into(a, a_scale, b, b_scale, offs, alpha, out) -> None:
-    """One call: the checks (once per signature), then the two launches with this call's addresses."""
+    """One call: the checks (once per signature), then the two launches with this call's addresses, under the
+    tensors' device, one caller at a time."""
     signature = _signature(a, a_scale, b, b_scale, offs, alpha, out)
-    launch = _signatures.get(signature)
-    if launch is None:
-        num_tokens, num_experts, n, k, out_dtype, a_input = check_moe_args(a, a_scale, b, b_scale, offs, alpha, out,
-                                                                            out.dtype)
-        if num_tokens == 0:
-            return
-        launch = _launch_for(a.device, signature[1], num_tokens, num_experts, n, k, out_dtype, a_input)
+    try:
+        plan = _signatures[signature]
+    except KeyError:
+        plan = _plan_for(signature, a, a_scale, b, b_scale, offs, alpha, out)
         if len(_signatures) >= MAX_SIGNATURES:
             _signatures.clear()
-        _signatures[signature] = launch
+        _signatures[signature] = plan
+    if plan is None:
+        return
     pas = 0 if a_scale is None else a_scale.data_ptr()
     pa, pb, pbs, po = a.data_ptr(), b.data_ptr(), b_scale.data_ptr(), out.data_ptr()
     if (pa | pas | pb | pbs | po) & 15:
         check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out.dtype)  # names the misaligned one
-    tables, workspace, work = launch.fixed
     queue = signature[1]
-    launch.prepare((offs.data_ptr(), pa, pas, pb, pbs, po, 0 if alpha is None else alpha.data_ptr(), tables,
-                    workspace, work, a.shape[0], queue))
-    launch.gemm(launch.gemm_values + (queue,))
+    kernels = plan.kernels
+    with _on_device(a.device):
+        capturing = torch.cuda.is_current_stream_capturing()
+        with _LOCK:
+            base = _arena(a.device, queue, capturing).reserve(plan.nbytes)
+            tables, workspace, work = base + plan.tables, base + plan.workspace, base + plan.work
+            kernels.prepare((offs.data_ptr(), pa, pas, pb, pbs, po, 0 if alpha is None else alpha.data_ptr(),
+                             tables, workspace, work, a.shape[0], queue))
+            if kernels.hopper:
+                kernels.gemm((tables, tables + 8 * kernels.ptr_words, workspace, work, 0, kernels.grid, queue))
+            else:
+                kernels.gemm((tables, tables + 8 * kernels.ptr_words, workspace, 0, kernels.grid, queue))
 
 
-MAX_SIGNATURES = 1024  # a serving engine has a few shapes per layer kind and batch size
+def _on_device(device: torch.device):
+    """A guard that makes `device` current for the launches (the DSL launches on the current device's context),
+    or nothing when it already is."""
+    return contextlib.nullcontext() if torch.cuda.current_device() == device.index else torch.cuda.device(device)
+
+
+def cache_info() -> dict:
+    """What the entry holds: compiled kernels, kernel sets, checked signatures, and the arenas (device memory:
+    one per device and CUDA queue that has called, one per CUDA-graph capture under way) with their bytes."""
+    arenas = [("queue", key, arena.nbytes) for key, arena in _arenas.items()]
+    arenas += [("capture", key, entry[0].nbytes) for key, entry in _capture_arenas.items()]
+    return {"compiled": len(_compiled), "kernel_sets": len(_kernels), "signatures": len(_signatures),
+            "arenas": arenas, "arena_bytes": sum(nbytes for _, _, nbytes in arenas)}
+
+
+def clear_caches(compiled: bool = False) -> None:
+    """Lets go of every arena and checked signature (their memory returns to torch's allocator, reused only after
+    the work queued before on its queue), and with `compiled` the kernels too. Not while a CUDA graph that calls
+    the entry is being captured: the capture's arena would go with it."""
+    with _LOCK:
+        _signatures.clear()
+        _arenas.clear()
+        _capture_arenas.clear()
+        if compiled:
+            _kernels.clear()
+            _compiled.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------

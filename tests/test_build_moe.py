@@ -1,7 +1,8 @@
-"""The MoE entry's kernels (moe.py) build without a GPU, on every DSL version CI installs, and their SASS is sane.
+"""The MoE entry's kernels (nvfp4_moe/gemm.py) build without a GPU, on every DSL version CI installs, and their SASS is sane.
 sm_90a: the per-call preparation kernel and the GEMM of each build the entry picks, with the MoE switches
-(row-major A scales, alpha, bf16 out; 16-bit A, W4A16, in bf16 and fp16): the GEMM's wgmma waits pipelined and no local memory in either; the
-preparation kernel writes its work-list parts with 128-bit stores and makes no wgmma. sm_100a (never run: no
+(alpha, bf16 out; 16-bit A, W4A16, in bf16 and fp16): the GEMM's wgmma waits pipelined and no local memory in either,
+neither waits on another CTA (no acquiring load: no grid-wide barrier); the preparation kernel converts NVFP4 A
+(the row-major scales), writes its work-list parts with 128-bit stores and makes no wgmma. sm_100a (never run: no
 B200 here): the preparation kernel (tables, blocked A scales, descriptors, the tile count) and the persistent
 kernel with the MoE switches: block-scaled tcgen05 MMAs, TMA loads and stores, alpha's multiplies, bf16
 conversions where C is bf16, no local memory."""
@@ -32,8 +33,7 @@ a_input = sys.argv[8]
 if build == "b200":
     config = moe.b200_config(torch.bfloat16 if bf16 else torch.float16)
 else:
-    config = dataclasses.replace(moe.moe_builds()[build], bf16_out=bf16, a_input=a_input,
-                                 sfa_row_major=a_input == "fp4")
+    config = moe._hopper_config(build, torch.bfloat16 if bf16 else torch.float16, a_input)
 try:
     moe._compile(sys.argv[7], experts, n, k, config, 132)
 except Exception as err:  # 4.3.x without a driver: the cubin is written, then loading it fails
@@ -47,8 +47,8 @@ print("MOE_BUILT " + json.dumps(getattr(config, "widths", ())))
     (256, 512, 1024, "pairs", True, "fp4"), (128, 384, 768, "narrow", False, "fp4"), (32, 256, 512, "wide", True, "fp4"),
     (256, 512, 1024, "pairs", True, "bf16"), (32, 256, 512, "wide", False, "f16")])
 def test_moe_kernels_build_for_sm90a(tmp_path, experts, n, k, build, bf16, a_input):
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP="cubin",
-               CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_DISABLE_FILE_CACHING="1")
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path), CUTE_DSL_KEEP="cubin,ptx",
+               CUTE_DSL_KEEP_CUBIN="1", CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DISABLE_FILE_CACHING="1")
     print(f"building the MoE entry's {build} build for sm_90a: E={experts} N={n} K={k}, A {a_input}", flush=True)
     # one process per kernel: after 4.3.x fails to load one without a driver, its JIT session loads no other
     for kind in ("prepare", "gemm"):
@@ -64,6 +64,13 @@ def test_moe_kernels_build_for_sm90a(tmp_path, experts, n, k, build, bf16, a_inp
         return subprocess.run([ev.find_cuobjdump(), "-sass", str(cubins[-1])], capture_output=True, text=True).stdout
 
     prepare, gemm = sass_of("MoePrepareKernel"), sass_of("on_stream")
+    # No wait on another CTA in either launch (a call completes beside other queues' kernels): no acquiring load,
+    # the spin of a grid-wide barrier (the split-K arrival is an atomic add that never waits)
+    for name in ("MoePrepareKernel", "on_stream"):
+        ptx = sorted(tmp_path.rglob(f"*{name}*.ptx"))
+        assert ptx and b"ld.acquire" not in ptx[-1].read_bytes(), f"{name} waits on another CTA"
+    # NVFP4 A: the preparation's row blocks convert it (the GEMM's fp16 A); 16-bit A is used as it is
+    assert ("HMUL2" in prepare) == (a_input == "fp4")
     counts = ev.count_sass(gemm)
     assert counts["WGDEP1"] > 0, "the GEMM's wgmma waits are not pipelined"
     assert counts["LDL"] == 0 and counts["STL"] == 0, "the GEMM spills to local memory"
