@@ -2576,8 +2576,7 @@ def _build_launch_metadata(data, device: torch.device, config, contents: tuple) 
 
 
 def kernel_config(data, device: torch.device):
-    """The config custom_kernel runs for this input on this device: its arch backend's choice (`config`), with
-    USE_PDL as set now."""
+    """The config custom_kernel runs for this input here: its arch backend's choice (`config`), USE_PDL as now."""
     config = backend_for_arch(_target_arch(device)).config(data[3], _device_sm_count(device.index))
     if getattr(config, "use_pdl", USE_PDL) != USE_PDL:  # set_pdl() since import
         config = dataclasses.replace(config, use_pdl=USE_PDL)
@@ -2612,6 +2611,8 @@ class _PreparedCall:
     metadata: Optional[LaunchMetadata]  # None when every group is empty
     outputs: tuple  # every group's C, empty ones included; a new list of them is returned each call
     held_bytes: int = 0  # bytes of the A, SFA and C tensors it keeps alive (from the sizes)
+    tensors: tuple = ()  # every tensor of the items that the launch reads or writes (a, b, c, sfa, sfb per group)
+    pointers: list = dataclasses.field(default_factory=list)  # their addresses when the entry was made
 
 
 # The benchmark times 15 input sets per shape; 16 entries hold them. An entry keeps its call's tensors alive,
@@ -2623,7 +2624,8 @@ _prepared_calls: dict = {}
 
 def _prepared_call(data) -> Optional[_PreparedCall]:
     """The prepared call for exactly these input objects, or None (then the full path runs).
-    NOTES: identity of the lists and of each item is checked (docs/B200_DESIGN.md#prepared-calls)."""
+    NOTES: identity of the lists and of each item is checked, and each used tensor's address (`set_`, `resize_` or
+    a storage made again keep the objects, not the addresses): docs/B200_DESIGN.md#prepared-calls."""
     entry = _prepared_calls.get((KERNEL_VARIANT, LAUNCH_PATH, USE_PDL, id(data)))
     if entry is None or type(data) is not tuple or len(data) != 4:
         return None
@@ -2631,7 +2633,8 @@ def _prepared_call(data) -> Optional[_PreparedCall]:
     abc_items, sfr_items, size_items = entry.items
     if (data[0] is abc and data[2] is sfr and data[3] is sizes
             and len(abc) == len(abc_items) and len(sfr) == len(sfr_items) and len(sizes) == len(size_items)
-            and all(map(is_, abc, abc_items)) and all(map(is_, sfr, sfr_items)) and all(map(is_, sizes, size_items))):
+            and all(map(is_, abc, abc_items)) and all(map(is_, sfr, sfr_items)) and all(map(is_, sizes, size_items))
+            and list(map(torch.Tensor.data_ptr, entry.tensors)) == entry.pointers):
         return entry
     return None
 
@@ -2675,8 +2678,10 @@ def _prepare_call(data) -> _PreparedCall:
         metadata = launch_metadata(data, device, config, pointers)
         launch = make_call_launcher(len(sizes), _target_arch(device), config, kernel, metadata)
     held = sum(m * (k // 2 + k // 16 + 2 * n) for m, n, k, _ in sizes)
+    tensors = tuple(chain(chain.from_iterable(abc), chain.from_iterable(sfr)))
     entry = _PreparedCall(lists=(abc, sfr, sizes), items=(tuple(abc), tuple(sfr), tuple(sizes)),
-                          launch=launch, metadata=metadata, outputs=tuple(c for _, _, c in abc), held_bytes=held)
+                          launch=launch, metadata=metadata, outputs=tuple(c for _, _, c in abc), held_bytes=held,
+                          tensors=tensors, pointers=list(map(torch.Tensor.data_ptr, tensors)))
     # Only immutable items make identity a proof of equal contents.
     if type(data) is tuple and all(type(x) is tuple for part in entry.items for x in part):
         key = (KERNEL_VARIANT, LAUNCH_PATH, USE_PDL, id(data))

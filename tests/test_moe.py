@@ -103,9 +103,9 @@ def test_w4a16_weights_are_a_permutation_within_each_chunk():
     scales = torch.randint(0, 127, (e, n, k // 16), dtype=torch.uint8).view(torch.float8_e4m3fn)
     plain, blocked = moe.prepare_moe_weights(b, scales)
     codes, blocked16 = moe.prepare_moe_weights(b, scales, w4a16=True)
-    assert codes.dtype == torch.int8 and torch.equal(blocked16, blocked) and codes.shape == b.shape
+    assert codes.dtype == torch.int8 and torch.equal(blocked16, blocked) and codes.shape == (e, n, k // 128, 64)
     natural = torch.stack((b & 15, b >> 4), -1).reshape(e, n, k)
-    got = codes.view(torch.uint8)
+    got = codes.view(torch.uint8).reshape(e, n, k // 2)
     for chunk in range(k // 128):
         for q in range(4):
             for t in range(4):
@@ -139,11 +139,12 @@ def test_sixteen_bit_a_is_w4a16(dtype):
     """16-bit A [T, K] with no a_scale: the same T, E, N, K, and A's kind for the GEMM's `a_input`; the fakes
     give the output's shape."""
     args = _meta_args(device="cpu")
-    args.update(a=torch.empty(64, 512, dtype=dtype), a_scale=None, b=args["b"].view(torch.int8))
+    args.update(a=torch.empty(64, 512, dtype=dtype), a_scale=None, b=args["b"].view(torch.int8).view(8, 256, 4, 64))
     with pytest.raises(ValueError, match="CUDA GPU"):  # every check but the device's passed
         moe.check_moe_args(*args.values(), None, torch.float16)
     meta = _meta_args()
-    meta.update(a=torch.empty(64, 512, dtype=dtype, device="meta"), a_scale=None, b=meta["b"].view(torch.int8))
+    meta.update(a=torch.empty(64, 512, dtype=dtype, device="meta"), a_scale=None,
+                b=meta["b"].view(torch.int8).view(8, 256, 4, 64))
     assert moe.check_moe_args(*meta.values(), None, torch.float16, storage=False) == (
         64, 8, 256, 512, torch.float16, moe.A16_INPUTS[dtype])
     out = torch.ops.nvfp4_moe.mm(*meta.values(), torch.bfloat16)
@@ -151,12 +152,15 @@ def test_sixteen_bit_a_is_w4a16(dtype):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(a=torch.empty(64, 512, dtype=torch.bfloat16), b=torch.empty(8, 256, 256, dtype=torch.int8)),
+    (dict(a=torch.empty(64, 512, dtype=torch.bfloat16), b=torch.empty(8, 256, 4, 64, dtype=torch.int8)),
      "a_scale must be None with torch.bfloat16 a"),
-    (dict(a=torch.empty(64, 256, dtype=torch.float16), a_scale=None, b=torch.empty(8, 256, 256, dtype=torch.int8)),
-     "b must be .* K/2 = 128"),
+    (dict(a=torch.empty(64, 256, dtype=torch.float16), a_scale=None, b=torch.empty(8, 256, 4, 64, dtype=torch.int8)),
+     "b must be .* K/128 = 2"),
     (dict(a=torch.empty(64, 512, dtype=torch.bfloat16), a_scale=None),
-     "b must be prepare_moe_weights\\(..., w4a16=True\\)' \\[E, N, K/2\\] int8 .* got \\(8, 256, 256\\) torch.uint8"),
+     "b must be prepare_moe_weights\\(..., w4a16=True\\)'s \\[E, N, K/128, 64\\] int8 .* got \\(8, 256, 256\\) torch.uint8"),
+    # a raw int8 view of unpermuted codes: refused by its shape, with the fix named
+    (dict(a=torch.empty(64, 512, dtype=torch.bfloat16), a_scale=None, b=torch.empty(8, 256, 256, dtype=torch.int8)),
+     "raw \\[E, N, K/2\\] codes go through prepare_moe_weights\\(b, b_scale, w4a16=True\\)"),
     (dict(b=torch.empty(8, 256, 256, dtype=torch.int8)), "b must be prepare_moe_weights' \\[E, N, K/2\\] uint8"),
     (dict(a_scale=None), "a_scale must be .* with NVFP4 a; got None"),
     (dict(a=torch.empty(64, 256, dtype=torch.float32)), "or \\[T, K\\] bfloat16 or float16"),
@@ -190,7 +194,8 @@ def test_builds_follow_rows_per_expert():
     assert moe.choose_build(512 * 8, 128) == "narrow"
     assert moe.choose_build(4096 * 8, 128) == "wide"
     for config in moe.moe_builds().values():
-        assert config.sfa_row_major and config.group_alpha and not config.split_k
+        # no fused A conversion (its grid-wide barrier): the preparation launch converts NVFP4 A
+        assert not config.a16_fused and config.group_alpha and not config.split_k
 
 
 def test_another_gpu_is_refused_in_one_line(monkeypatch):
@@ -199,8 +204,8 @@ def test_another_gpu_is_refused_in_one_line(monkeypatch):
 
     monkeypatch.setattr(submission, "_device_capability", lambda index: (8, 0))
     with pytest.raises(submission.UnsupportedDeviceError, match="Hopper .sm_90. and B200 .sm_100. GPUs; this GPU is sm_8x"):
-        moe._launch_for(torch.device("cuda", 0), 0, 64, 8, 256, 512, torch.bfloat16)
-    assert not moe._launches
+        moe._kernels_for(torch.device("cuda", 0), 64, 8, 256, 512, torch.bfloat16, "fp4")
+    assert not moe._kernels
 
 
 def test_b200_refuses_sixteen_bit_a_in_one_line(monkeypatch):
@@ -209,8 +214,8 @@ def test_b200_refuses_sixteen_bit_a_in_one_line(monkeypatch):
 
     monkeypatch.setattr(submission, "_device_capability", lambda index: (10, 0))
     with pytest.raises(ValueError, match="16-bit a .W4A16. runs on Hopper only; on a B200 give NVFP4 a") as info:
-        moe._launch_for(torch.device("cuda", 0), 0, 64, 8, 256, 512, torch.bfloat16, "bf16")
-    assert "\n" not in str(info.value) and not moe._launches
+        moe._kernels_for(torch.device("cuda", 0), 64, 8, 256, 512, torch.bfloat16, "bf16")
+    assert "\n" not in str(info.value) and not moe._kernels
 
 
 @pytest.mark.parametrize("rows, k", [(1, 256), (127, 512), (128, 256), (129, 1024), (300, 768)])
