@@ -1,0 +1,88 @@
+"""NVFP4 quantization of 16-bit rows by vLLM's `scaled_fp4_quant` rule: `quantize_nvfp4`, and the MoE layer's
+stage that gathers x's rows into expert order and quantizes them, `gather_quantize_nvfp4`.
+
+Per block of 16 values x of a row (its k-block b), with the row's global scale gs (fp32):
+
+    amax = max |x|                                   exact (16-bit values widened to fp32)
+    SF   = e4m3(gs * (amax * fp32(1/6)))             two fp32 products; saturated to 448, rounded to nearest even
+    outs = 1 / (fp32(SF) * (1 / gs)), 0 where SF = 0 fp32, each operation correctly rounded
+    q    = e2m1(x * outs)                            fp32 product; nearest even on the grid {0, 0.5, 1, 1.5, 2, 3, 4,
+                                                     6}, |v| > 6 saturated to 6, the sign kept (also on a zero)
+
+Codes two per byte, element 2 j in the low nibble of byte j: uint8 [rows, K/2]; scales row-major e4m3
+[rows, K/16], what the GEMM entry's NVFP4 `a_scale` takes. The dequantized value is q * SF / gs: the GEMM
+multiplies codes by SF and its alpha carries 1 / gs (a ModelOpt checkpoint's g1_alphas hold the input scale).
+
+NOTES: the steps are those of vLLM's `cvt_warp_fp16_to_fp4` (csrc/quantization/fp4/nvfp4_utils.cuh):
+SFValue = SFScaleVal * (vecMax * rcp(6)); __nv_fp8_e4m3(SFValue) (satfinite, round to nearest); outputScale =
+SFValue != 0 ? rcp(SF * rcp(SFScaleVal)) : 0; cvt.rn.satfinite.e2m1x2.f32 of x * outputScale. Its reciprocals
+are rcp.approx.ftz.f32, within 1 ulp of the correctly rounded reciprocal that torch's division gives here, so a
+code can differ from vLLM's only where x * outs lies within an ulp (fp32) of a rounding boundary of the e2m1
+grid; 1/6 is taken as fp32(1/6) = 0x3E2AAAAB, the correctly rounded reciprocal. torch's own conversion to
+float8_e4m3fn turns values of 480 and above into NaN, so SF is clamped to 448 first (the satfinite rule).
+SF = 0 (an all-zero block, or one whose gs amax / 6 is under half the smallest e4m3 subnormal, 2^-10) makes
+outs 0, so every code is a zero: +0, or -0 (code 8) where x is negative or -0, as vLLM's are; the block decodes
+to exactly 0. x must be finite.
+
+All torch operations, fixed shapes, no host sync: a kernel (the gather fused with the quantization, one block of
+16 per thread pair as vLLM's) may replace `gather_quantize_nvfp4` with the same outputs bit for bit.
+"""
+import torch
+
+from .routing import Routing
+
+BLOCK = 16  # values per e4m3 scale
+E4M3_MAX = 448.0
+# e2m1 rounding boundaries of |v|, nearest even: a boundary that rounds up to an even code (0.75 -> 1, 1.75 -> 2,
+# 3.5 -> 4) counts from it (>=), one that rounds down to an even code (0.25 -> 0, 1.25 -> 1, 2.5 -> 2, 5 -> 4) from
+# just above it (>); the code is the number of boundaries passed.
+_UP_TO_EVEN = (0.75, 1.75, 3.5)
+_DOWN_TO_EVEN = (0.25, 1.25, 2.5, 5.0)
+_SIGN = 8
+
+
+def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """uint8 e2m1 codes of fp32 `v`: round to nearest even on the e2m1 grid, |v| > 6 saturated, the sign kept."""
+    magnitude = v.abs()
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for bound in _UP_TO_EVEN:
+        code += magnitude >= bound
+    for bound in _DOWN_TO_EVEN:
+        code += magnitude > bound
+    return code | (torch.signbit(v).to(torch.uint8) * _SIGN)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K] codes -> [..., K/2] bytes, element 2 j in the low nibble of byte j."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> tuple:
+    """(codes uint8 [rows, K/2], scales float8_e4m3fn [rows, K/16]) of x [rows, K] (16-bit, or fp32 holding
+    16-bit values; K % 16 == 0) by the module's rule; global_scale fp32 [] or [1] (every row) or [rows]."""
+    rows, k = x.shape
+    if k % BLOCK:
+        raise ValueError(f"quantize_nvfp4: K = {k} must be a multiple of {BLOCK}")
+    gs = global_scale.to(torch.float32).reshape(-1, 1, 1)
+    blocks = x.to(torch.float32).reshape(rows, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    sf = (gs * (amax * (1.0 / 6.0))).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    sf32 = sf.to(torch.float32)
+    out_scale = torch.where(sf32 != 0, 1.0 / (sf32 * (1.0 / gs)), 0.0)
+    codes = e2m1_codes(blocks * out_scale).view(rows, k)
+    return pack_e2m1(codes), sf.view(rows, k // BLOCK)
+
+
+def row_global_scale(global_scale: torch.Tensor, row_expert: torch.Tensor) -> torch.Tensor:
+    """The global scale of each sorted row: a scalar ([] or [1]) as it is, a per-expert [E] one by the row's
+    expert (an invalid row, expert E, takes expert E - 1's: its codes are never read)."""
+    if global_scale.numel() == 1:
+        return global_scale.reshape(1)
+    return global_scale[row_expert.clamp(max=global_scale.numel() - 1)]
+
+
+def gather_quantize_nvfp4(x: torch.Tensor, routing: Routing, global_scale: torch.Tensor) -> tuple:
+    """The fp4-A path's first stage: x [T, H] (16-bit) gathered into expert order (sorted row r is token
+    routing.row_token[r]) and quantized with global_scale (fp32 [] / [1], or [E] per expert by the row's):
+    (codes uint8 [T k, H/2], scales e4m3 [T k, H/16]), the GEMM's `a` and `a_scale`."""
+    return quantize_nvfp4(x[routing.row_token], row_global_scale(global_scale, routing.row_expert))
