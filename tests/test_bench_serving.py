@@ -202,6 +202,8 @@ class _Graph:
 def cpu_run(monkeypatch, capsys):
     real_moe = __import__("moe")
     def gemm(a, a_scale, b, b_scale, offs, out):  # the reference on prepared weights: decode the blocked scales
+        if b.dtype == torch.int8:  # W4A16's [E, N, K/128, 64]: one row of codes per expert row
+            b = b.reshape(b.shape[0], b.shape[1], -1)
         e_, n, k = b.shape[0], b.shape[1], 2 * b.shape[2]
         if b.dtype == torch.int8:  # W4A16's order of the codes back to the natural one
             nibbles = torch.stack((b.view(torch.uint8) & 15, b.view(torch.uint8) >> 4), -1).reshape(-1, k // 128, 128)
