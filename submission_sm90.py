@@ -131,6 +131,9 @@ class Sm90GemmConfig:
       10.0 us for two launches, 5.0 for `sm90_tile128`). False: `Sm90AConvertKernel` runs as a launch of its
       own before the GEMM; kept as the measured comparison (on the GPU it was 0.7 / 1.4 % faster on bench0 /
       bench2 and 1.9 / 3.3 % slower on bench1 / bench3: docs/HOPPER_NOTES.md v16), tested on the GPU.
+      NOTES: the grid-wide barrier completes only while every CTA is resident at once, so a fused call waits
+      for any kernel that holds an SM (another queue's, MPS, green contexts); custom_kernel's default keeps it
+      (the leaderboard times it alone), the MoE entry's builds turn it off.
     m_exact: M-exact tiles (with a16_prepass): a tile covers one M split of a group, as wide as the
       split rounded up to one of SM90_WIDTHS (the wgmma N), so a group of M <= 192 is one tile row and B is
       converted once per split instead of once per 128 rows; the host plans the splits and a cost-balanced
@@ -152,9 +155,8 @@ class Sm90GemmConfig:
     split_k: m_exact only: the plan may split a tile's K across CTAs where whole tiles leave SMs idle
       (`plan_sm90_work`); the parts' fp32 partials meet in the workspace and the last part to finish stores
       the tile. A planning choice only: the kernel runs either plan, so it is not part of the compile key.
-    The MoE entry's switches (moe.py; the leaderboard's builds leave them off, their PTX unchanged):
-    sfa_row_major: the fused A conversion reads A's scales row-major, [rows, K / 16] as a quantization kernel
-      writes them (the pointer table's SFA column points at the group's first row), instead of blocked.
+    The MoE entry's switches (nvfp4_moe/gemm.py, whose builds also set a16_fused off: its preparation launch
+    converts A, so no grid-wide barrier; the leaderboard's builds leave them off, their PTX unchanged):
     group_alpha: the epilogue multiplies each group's output by its fp32 scale (an NVFP4 checkpoint's global
       scale), whose bits the size table's L column holds.
     bf16_out: C is written as bf16 (round to nearest) instead of fp16.
@@ -174,7 +176,6 @@ class Sm90GemmConfig:
     split_k: bool = True
     consumer_pairs: int = 1
     a16_buffers: int = 0
-    sfa_row_major: bool = False
     group_alpha: bool = False
     bf16_out: bool = False
     a_input: str = "fp4"
@@ -190,12 +191,9 @@ class Sm90GemmConfig:
         if self.consumer_pairs not in (1, 2) or (self.consumer_pairs == 2 and not (self.m_exact and self.max_width <= 32)):
             raise ValueError(f"Sm90GemmConfig.consumer_pairs={self.consumer_pairs}: 1, or 2 with m_exact and "
                              "max_width <= 32")
-        if self.sfa_row_major and not (self.a16_prepass and self.a16_fused):
-            raise ValueError("Sm90GemmConfig.sfa_row_major: only with a16_prepass and a16_fused (the GEMM's own A "
-                             "conversion reads the scales)")
-        if self.a_input not in SM90_A_INPUTS or (self.a_input != "fp4" and (not self.m_exact or self.sfa_row_major)):
+        if self.a_input not in SM90_A_INPUTS or (self.a_input != "fp4" and not self.m_exact):
             raise ValueError(f"Sm90GemmConfig.a_input={self.a_input!r}: one of {SM90_A_INPUTS}; 16-bit A only with "
-                             "m_exact and without sfa_row_major (it has no scales)")
+                             "m_exact")
         if self.m_exact and not 0 < len(self.widths) <= SM90_MAX_BUILD_WIDTHS:
             raise ValueError(f"Sm90GemmConfig: widths {self.min_width}-{self.max_width} give {len(self.widths)} "
                              f"mainloops; a build takes 1 to {SM90_MAX_BUILD_WIDTHS}")
@@ -1138,7 +1136,7 @@ class Sm90AConvertKernel:
 
 @cute.jit
 def sm90_convert_a_items(ptrs: cute.Tensor, sizes: cute.Tensor, a16_base, num_groups: cutlass.Constexpr[int],
-                         first, stride, sfa_row_major: cutlass.Constexpr[bool] = False):
+                         first, stride):
     """Items first, first + stride, ... of the items of all groups in a row (`Sm90AConvertKernel` says what an
     item is): the GEMM's fused conversion, each of its threads a strided share of the whole. Item p (counted
     across groups) lands at a16_base + 64 p: a group's fp16 A is its items in order, 64 bytes each, the groups
@@ -1178,23 +1176,23 @@ def sm90_convert_a_items(ptrs: cute.Tensor, sizes: cute.Tensor, a16_base, num_gr
                 group_first = done + cute.arch.shuffle_sync(incl - count, j)
                 if item < end:
                     sm90_convert_a_item(ptrs, g0 + j, k, item - group_first,
-                                        a16_base + cutlass.Int64(group_first) * 64, sfa_row_major)
+                                        a16_base + cutlass.Int64(group_first) * 64)
             pos = pos + stride * (cutlass.Int32(pos < end) + cutlass.Int32(pos + stride < end))
         done = end
 
 
 @cute.jit
-def sm90_convert_a_item(ptrs: cute.Tensor, g, k, item, group_base, sfa_row_major: cutlass.Constexpr[bool] = False):
-    """One item of group g's A (K = k) to fp16 at `group_base` (the group's fp16 A in the workspace).
-    sfa_row_major: A's scales are [rows, K / 16] row-major (`Sm90GemmConfig.sfa_row_major`), else blocked."""
-    sm90_convert_a_item_at(ptrs[g, int(PtrColumn.A)], ptrs[g, int(PtrColumn.SFA)], k, item, group_base,
-                           sfa_row_major)
+def sm90_convert_a_item(ptrs: cute.Tensor, g, k, item, group_base):
+    """One item of group g's A (K = k, its scales blocked) to fp16 at `group_base` (the group's fp16 A in the
+    workspace)."""
+    sm90_convert_a_item_at(ptrs[g, int(PtrColumn.A)], ptrs[g, int(PtrColumn.SFA)], k, item, group_base)
 
 
 @cute.jit
 def sm90_convert_a_item_at(a_base, sfa_base, k, item, group_base, sfa_row_major: cutlass.Constexpr[bool] = False):
     """`sm90_convert_a_item` on the addresses of the rows' codes (`a_base`, K / 2 bytes a row) and scales
-    (`sfa_base`): what the MoE entry's preparation kernel converts, straight from the caller's tensors."""
+    (`sfa_base`); sfa_row_major: the scales [rows, K / 16] row-major as a quantization kernel writes them (the MoE
+    entry's preparation kernel converts so, straight from the caller's tensors), else blocked."""
     chunks = k // 128
     t = item % 4
     chunk = (item // 4) % chunks
@@ -1577,7 +1575,7 @@ class Sm90BlockScaledGroupedGemmKernel:
             # producer waits for the whole grid's share (`producer`) before its first fp16 A load.
             workspace = tensormaps.iterator.toint()
             sm90_convert_a_items(ptrs, sizes, workspace + self.a16_offset(self.num_groups), self.num_groups,
-                                 bid * self.threads + tidx, grid * self.threads, self.config.sfa_row_major)
+                                 bid * self.threads + tidx, grid * self.threads)
             fence_global_for_async_proxy()
             cute.arch.barrier()  # the CTA's conversion is done before its arrival on the grid barrier
 
