@@ -48,7 +48,12 @@ from cutlass._mlir.dialects import cute as cute_ir, cute_nvgpu as cute_nvgpu_ir
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cute.runtime import make_ptr
 
-from task import input_t, output_t
+try:
+    from task import input_t, output_t
+except ImportError:  # installed as a library (pip install): the runner's task.py is absent; the same names, unbound
+    from typing import TypeVar
+
+    input_t, output_t = TypeVar("input_t"), TypeVar("output_t")
 
 # ---------------------------------------------------------------------------------------------------------
 # DSL version shims: every difference between nvidia-cutlass-dsl 4.3.x and 4.8.x that this file meets.
