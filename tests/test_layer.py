@@ -400,18 +400,19 @@ def assert_within(out: torch.Tensor, bounds: tuple, what: str):
 
 
 class Case:
-    """A small layer (E 8, H 256, I 384: padded to 512) with routed tokens: some experts never chosen, padding
-    tokens (all -1) and padding slots, router weights in [0.1, 1.1)."""
+    """A small layer (by default E 8, H 256, I 384: padded to 512) with routed tokens: experts 2 and 5 never chosen,
+    a padding token (all -1) and a padding slot, router weights in [0.1, 1.1). Its tensors live on the CPU; the
+    layer runs on `device` (the CPU with the reference GEMM, or a GPU), the reference always on the CPU."""
 
     def __init__(self, tokens: int, top_k: int = 4, seed: int = 0, experts: int = 8, hidden: int = 256,
-                 intermediate: int = 384):
+                 intermediate: int = 384, device: str = "cpu"):
         gen = torch.Generator().manual_seed(seed)
         self.ckpt = make_checkpoint(experts, hidden, intermediate, seed)
-        self.experts, self.hidden, self.top_k = experts, hidden, top_k
+        self.experts, self.hidden, self.top_k, self.device = experts, hidden, top_k, torch.device(device)
         x = torch.randn(tokens, hidden, generator=gen)
         x *= torch.exp2(torch.randint(-3, 3, (tokens, hidden // 16), generator=gen).float()).repeat_interleave(16, 1)
         self.x = x.bfloat16()
-        chosen = torch.tensor([0, 1, 3, 4, 6, 7][:max(top_k, 1) + 2])  # experts 2 and 5 stay empty
+        chosen = torch.tensor([e for e in range(experts) if e not in (2, 5)])
         scores = torch.rand(tokens, len(chosen), generator=gen)
         self.topk_ids = chosen[scores.topk(top_k, dim=1).indices].to(torch.int32)
         if tokens > 2:
@@ -427,42 +428,62 @@ class Case:
         largest = float((silu64(gate) * up).abs().max()) if tokens else 1.0
         self.gs2 = torch.tensor(448.0 * 6 / largest * 4)
 
-    def weights(self, w4a16: bool, gs1=None):
-        """prepare_moe_layer's weights with each path's alphas (module docstring of nvfp4_moe.layer)."""
-        c = self.ckpt
+    def on(self, t):
+        """t on the layer's device (None as it is)."""
+        return None if t is None else t.to(self.device)
+
+    def weights(self, w4a16: bool, gs1=None, experts: slice = slice(None)):
+        """prepare_moe_layer's weights (of the experts in `experts`) with each path's alphas (module docstring of
+        nvfp4_moe.layer), on the layer's device."""
+        c = {name: self.on(t[experts]) for name, t in self.ckpt.items()}
+        gs1 = self.gs1 if gs1 is None else gs1
         if w4a16:
             g1, g2 = c["w13_scale_2"], c["w2_scale_2"]
         else:
-            g1 = (c["w13_scale_2"] * (1.0 / (self.gs1 if gs1 is None else gs1))).float()
-            g2 = (c["w2_scale_2"] * (1.0 / self.gs2)).float()
-        return layer.prepare_moe_layer(c["w13"], c["w13_scale"], c["w2"], c["w2_scale"], g1, g2, w4a16=w4a16)
+            g1 = c["w13_scale_2"] * (1.0 / self.on(gs1 if gs1.numel() == 1 else gs1[experts]))
+            g2 = c["w2_scale_2"] * (1.0 / self.on(self.gs2))
+        return layer.prepare_moe_layer(c["w13"], c["w13_scale"], c["w2"], c["w2_scale"], g1.float().contiguous(),
+                                       g2.float().contiguous(), w4a16=w4a16)
+
+    def call(self, path: str, weights, expert_map=None, on_input=False):
+        """The layer's output on `path` (one of PATHS), with the case's inputs moved to its device; a per-expert
+        a1_gscale is the local experts' (as an engine holds it)."""
+        gs1 = _local(self.gs1_per_expert if path == "fp4 per-expert gs" else self.gs1, expert_map)
+        args = dict(expert_map=self.on(expert_map), apply_router_weight_on_input=on_input)
+        x, ids, tw = self.on(self.x), self.on(self.topk_ids), self.on(self.topk_weights)
+        if path == "w4a16":
+            return layer.nvfp4_moe_layer(x, ids, tw, weights, **args)
+        if path == "fp4 prequantized":
+            codes, scales = self.prequantized()
+            return layer.nvfp4_moe_layer(self.on(codes), ids, tw, weights, a2_gscale=self.on(self.gs2),
+                                         x_scale=self.on(scales), **args)
+        return layer.nvfp4_moe_layer(x, ids, tw, weights, a1_gscale=self.on(gs1), a2_gscale=self.on(self.gs2),
+                                     **args)
+
+    def prequantized(self) -> tuple:
+        codes, scales = ref_quantize(self.x, float(self.gs1))
+        return codes, scales.view(torch.float8_e4m3fn)
+
+    def reference(self, path: str, weights, expert_map=None, on_input=False) -> tuple:
+        """reference_layer's bounds for `path` and the prepared `weights`' alphas (fp32 GEMMs off the CPU)."""
+        gs1 = self.gs1_per_expert if path == "fp4 per-expert gs" else self.gs1
+        return reference_layer(_local_ckpt(self.ckpt, expert_map), self.x, self.topk_ids, self.topk_weights,
+                               "fp4" if path == "fp4 per-expert gs" else path, weights.g1_alphas.cpu(),
+                               weights.g2_alphas.cpu(), gs1=_local(gs1, expert_map), gs2=self.gs2,
+                               expert_map=expert_map, on_input=on_input,
+                               x_q=self.prequantized() if path == "fp4 prequantized" else None,
+                               fp32_gemm=self.device.type != "cpu")
 
 
 PATHS = ("fp4", "fp4 per-expert gs", "fp4 prequantized", "w4a16")
 
 
-def run_path(case: Case, path: str, expert_map=None, weights=None, on_input=False, **kwargs):
-    """(layer output, reference bounds) of one path on `case`."""
+def run_path(case: Case, path: str, expert_map=None, weights=None, on_input=False) -> tuple:
+    """(layer output on the CPU, reference bounds) of one path on `case`."""
     gs1 = case.gs1_per_expert if path == "fp4 per-expert gs" else case.gs1
     w = weights or case.weights(path == "w4a16", gs1)
-    args = dict(expert_map=expert_map, apply_router_weight_on_input=on_input)
-    ref_path = "fp4" if path.startswith("fp4 per") else path
-    x_q = None
-    if path == "w4a16":
-        out = layer.nvfp4_moe_layer(case.x, case.topk_ids, case.topk_weights, w, **args, **kwargs)
-    elif path == "fp4 prequantized":
-        codes, scales = ref_quantize(case.x, float(case.gs1))
-        x_q = (codes, scales.view(torch.float8_e4m3fn))
-        out = layer.nvfp4_moe_layer(x_q[0], case.topk_ids, case.topk_weights, w, a2_gscale=case.gs2, x_scale=x_q[1],
-                                    **args, **kwargs)
-    else:
-        out = layer.nvfp4_moe_layer(case.x, case.topk_ids, case.topk_weights, w, a1_gscale=gs1, a2_gscale=case.gs2,
-                                    **args, **kwargs)
-    local_map = expert_map
-    ref = reference_layer(_local_ckpt(case.ckpt, w.num_experts, expert_map), case.x, case.topk_ids,
-                          case.topk_weights, ref_path, w.g1_alphas, w.g2_alphas, gs1=_local(gs1, expert_map),
-                          gs2=case.gs2, expert_map=local_map, on_input=on_input, x_q=x_q)
-    return out, ref
+    out = case.call(path, w, expert_map, on_input)
+    return out.cpu(), case.reference(path, w, expert_map, on_input)
 
 
 def _local(values, expert_map):
@@ -473,10 +494,33 @@ def _local(values, expert_map):
     return values[[g for _, g in order]]
 
 
-def _local_ckpt(ckpt: dict, experts: int, expert_map) -> dict:
+def _local_ckpt(ckpt: dict, expert_map) -> dict:
     if expert_map is None:
         return ckpt
     return {name: _local(t, expert_map) for name, t in ckpt.items()}
+
+
+def check_expert_parallel(case: Case, path: str, ranks: int):
+    """Each of `ranks` ranks holds E / ranks experts (its slice of the checkpoint and an expert_map); its output is
+    within its experts' reference bounds, and the shares sum to the whole layer within each output's bf16 rounding
+    (half an ulp: at most 2^-8 of its magnitude) and the fp32 sums' different grouping (k 2^-24 sum |terms| each)."""
+    full, full_ref = run_path(case, path)
+    total = torch.zeros(full.shape, dtype=torch.float64)
+    sizes = full.double().abs()
+    per = case.experts // ranks
+    for rank in range(ranks):
+        mine = slice(rank * per, (rank + 1) * per)
+        expert_map = torch.full((case.experts,), -1, dtype=torch.int32)
+        expert_map[mine] = torch.arange(per, dtype=torch.int32)
+        gs1 = case.gs1_per_expert if path == "fp4 per-expert gs" else case.gs1
+        weights = case.weights(path == "w4a16", gs1, mine)
+        out, ref = run_path(case, path, expert_map=expert_map, weights=weights)
+        assert_within(out, ref, f"{path}, rank {rank} of {ranks}")
+        total += out.double()
+        sizes += out.double().abs()
+    bound = 2.0 ** -8 * sizes + 2 * case.top_k * U32 * full_ref[2]
+    worst = ((total - full.double()).abs() - bound).max()
+    assert worst <= 0, f"{path}: the {ranks} ranks' outputs sum to the layer only within {worst} more than the bound"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -505,31 +549,9 @@ def test_layer_weights_on_input(exact_gemm):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("path", ["fp4", "w4a16"])
+@pytest.mark.parametrize("path", ["fp4", "fp4 per-expert gs", "w4a16"])
 def test_expert_parallel_ranks_sum_to_layer(exact_gemm, ranks, path):
-    """Each rank holds E / ranks experts (its slice of the checkpoint and an expert_map); its output is its experts'
-    share, and the shares sum to the whole layer within each output's bf16 rounding and the fp32 sums' order."""
-    case = Case(33, seed=4)
-    full, _ = run_path(case, path)
-    total = torch.zeros(full.shape, dtype=torch.float64)
-    sizes = full.double().abs()  # each output's bf16 rounding: half an ulp, at most 2^-8 of its magnitude
-    per = case.experts // ranks
-    for rank in range(ranks):
-        expert_map = torch.full((case.experts,), -1, dtype=torch.int32)
-        expert_map[rank * per:(rank + 1) * per] = torch.arange(per, dtype=torch.int32)
-        sliced = {name: t[rank * per:(rank + 1) * per] for name, t in case.ckpt.items()}
-        full_weights = case.weights(path == "w4a16")
-        weights = layer.prepare_moe_layer(
-            sliced["w13"], sliced["w13_scale"], sliced["w2"], sliced["w2_scale"],
-            full_weights.g1_alphas[rank * per:(rank + 1) * per].contiguous(),
-            full_weights.g2_alphas[rank * per:(rank + 1) * per].contiguous(), w4a16=path == "w4a16")
-        out, ref = run_path(case, path, expert_map=expert_map, weights=weights)
-        assert_within(out, ref, f"rank {rank} of {ranks}")
-        total += out.double()
-        sizes += out.double().abs()
-    terms = run_path(case, path)[1][2]
-    bound = 2.0 ** -8 * sizes + 2 * case.top_k * U32 * terms
-    assert ((total - full.double()).abs() <= bound).all()
+    check_expert_parallel(Case(33, seed=4), path, ranks)
 
 
 def test_layer_is_deterministic(exact_gemm):
