@@ -44,6 +44,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import bench_moe  # noqa: E402  (its timing: bench_moe.median_us, and its exact dequantization)
 import harness  # noqa: E402
 
 
@@ -298,23 +299,6 @@ def copy_rate() -> float:
     return 2 * COPY_PROBE_BYTES / statistics.median(samples)
 
 
-def gpu_us(fn: Callable, repeats: int) -> float:
-    """Median µs of fn() alone: CUDA events around it, L2 flushed before, after one untimed call."""
-    from utils import clear_l2_cache
-
-    fn()
-    samples = []
-    for _ in range(repeats):
-        clear_l2_cache()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
-
-
 def host_us(fn: Callable, calls: int = HOST_CALLS) -> float:
     """Median perf_counter µs of one fn() call, nothing waiting for the GPU between calls."""
     fn()
@@ -385,8 +369,6 @@ def make_checkpoint(case: LayerCase, device="cuda") -> dict:
 
 def dequantized_t(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
     """bf16 [E, K, N] (a column-major view of [E, N, K]) of the weights times their global scales."""
-    import bench_moe
-
     out = torch.empty((codes.shape[0], codes.shape[1], codes.shape[2] * 2), dtype=torch.bfloat16, device=codes.device)
     for e in range(codes.shape[0]):
         out[e] = (bench_moe.dequantize(codes[e], scales[e], torch.float32) * scale_2[e]).to(torch.bfloat16)
@@ -449,7 +431,7 @@ def run_case(case: LayerCase, args, rate: float, humming: bool, rows: list, note
             columns["humming"] = lambda: peer(x16, ids, tw)
         for name, fn in columns.items():
             try:
-                row.times[name] = gpu_us(fn, args.repeats)
+                row.times[name] = bench_moe.median_us(fn, args.repeats)
             except Exception as err:
                 notes.append(f"{name} on {case.name} T = {tokens}: failed, {one_line(err)}")
         reference = columns["bf16"]()
@@ -457,7 +439,7 @@ def run_case(case: LayerCase, args, rate: float, humming: bool, rows: list, note
         if "w4a16" in columns:
             row.errors["w4a16"] = rel_err(columns["w4a16"](), reference)
         with gemms_removed():
-            row.times["non-GEMM"] = gpu_us(columns["fp4"], args.repeats)
+            row.times["non-GEMM"] = bench_moe.median_us(columns["fp4"], args.repeats)
         row.times["host"] = host_us(columns["fp4"])
         try:
             row.times["graph"] = graph_us(columns["fp4"])

@@ -55,7 +55,7 @@ _expert_gemm = gemm.nvfp4_moe_mm
 
 K_MULTIPLE = 256  # the GEMM's K rule (check_moe_args): H for GEMM1, the (padded) I for GEMM2
 SCALE_BLOCK = 16
-_FP4_DTYPES = (torch.uint8,) + ((torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ())
+_FP4_DTYPES = gemm._FP4_DTYPES  # uint8, and torch.float4_e2m1fn_x2 where torch has it
 
 
 @dataclasses.dataclass(frozen=True)
