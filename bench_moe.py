@@ -29,6 +29,7 @@ import math
 import os
 import pstats
 import statistics
+import sys
 import time
 from typing import Callable, Optional
 
@@ -539,3 +540,8 @@ def main(args, submission, device="cuda") -> int:
     print("\n".join(table_lines(rows) + [""] + notes_lines(torch.cuda.get_device_name(), submission, calls, patterns)
                     + notes))
     return 1 if any(row.error or row.worst > 1 for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(harness.not_a_command("bench_moe.py", "not a command of its own: python bench.py --moe runs its cases "
+                                                   "(python bench.py --help lists the options)", sys.argv[1:]))

@@ -60,10 +60,10 @@ writes submission.py with NAME on its marked default line (DEFAULT_KERNEL_VARIAN
 DEFAULT_SM90_VARIANT for a Hopper one), after checking the copy against FILE_RULES; it refuses to write a
 file that breaks them, and fails if the marked line is not found exactly once. FILE must be new: an existing
 file (submission.py itself included) is overwritten only with --force, and the refusal says when git tracks it.
-`-o -` writes the copy to stdout. FILE names a file, never a directory: a directory, a path ending in '/', an
+A FILE whose name does not end in .py (the leaderboard's kind of file) is written only with --force. `-o -` writes the copy to stdout. FILE names a file, never a directory: a directory, a path ending in '/', an
 empty name or one in a directory that does not exist is refused (output_refusal).
 
-This module is no command of its own: `python bringup.py` names the two above and exits with status 2.
+This module is no command of its own: `python bringup.py` names the two above and exits with status 2 (0 with --help).
 """
 import argparse
 import concurrent.futures
@@ -269,10 +269,11 @@ def export_main(argv: list) -> int:
     parser.add_argument("--variant", required=True, metavar="NAME",
                         help="a B200 variant (submission.KERNEL_VARIANTS): the leaderboard file's default")
     parser.add_argument("-o", "--output", required=True, metavar="FILE",
-                        help=f"where to write the copy: a new file (in a directory that exists), unless --force; "
+                        help=f"where to write the copy: a new .py file (in a directory that exists), unless --force; "
                              f"{STDOUT_NAME} for stdout")
     parser.add_argument("--force", action="store_true",
-                        help="overwrite FILE if it exists (submission.py itself included)")
+                        help="overwrite FILE if it exists (submission.py itself included), or write a FILE whose name "
+                             "does not end in .py")
     args, status = _parse(parser, argv)
     if args is None:
         return status
@@ -280,6 +281,10 @@ def export_main(argv: list) -> int:
     refusal = None if to_stdout else output_refusal(args.output)
     if refusal:
         print(f"eval.py export: {refusal}", file=sys.stderr)
+        return 2
+    if not to_stdout and not args.output.endswith(".py") and not args.force:
+        print(f"eval.py export: -o {args.output} does not end in .py, as a file for the leaderboard must; name a .py "
+              "file, or pass --force to write it anyway", file=sys.stderr)
         return 2
     refusal = None if to_stdout else overwrite_refusal(Path(args.output))
     if refusal and not args.force:
@@ -1900,6 +1905,6 @@ def moe_tile_choice_table(num_sms: int = 148) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(harness.usage_error("bringup.py", "not a command of its own: run python eval.py bringup (first run on a "
-                                               "GPU) or python eval.py export (a copy with another default); "
-                                               "python eval.py bringup --help lists the options"))
+    sys.exit(harness.not_a_command("bringup.py", "not a command of its own: run python eval.py bringup (first run on a "
+                                                 "GPU) or python eval.py export (a copy with another default); "
+                                                 "python eval.py bringup --help lists the options", sys.argv[1:]))

@@ -46,8 +46,8 @@ them (on a B200 beside the tile model's prediction); and the fastest passing var
 makes it the default (bringup.py).
 `python eval.py export --variant NAME -o FILE [--force]` needs no GPU: a copy of submission.py whose default
 variant is NAME, checked against the leaderboard's file rules; FILE must not exist yet (an existing file,
-submission.py included, is overwritten only with --force); `-o -` writes it to stdout; a directory, a name
-ending in '/' or an empty one is refused.
+submission.py included, is overwritten only with --force) and must end in .py (else --force too); `-o -` writes
+it to stdout; a directory, a name ending in '/' or an empty one is refused.
 
 Run modes need a CUDA GPU; without one they exit with status 2 and a one-line reason.
 """

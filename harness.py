@@ -323,6 +323,15 @@ def usage_error(prog: str, message: str) -> int:
     return 2
 
 
+def not_a_command(prog: str, message: str, argv: list) -> int:
+    """The exit status of a module run as a script that is no command of its own: `message` (what to run
+    instead) in one line; asked for with -h / --help, on stdout with status 0, else a usage error."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(f"{prog}: {message}")
+        return 0
+    return usage_error(prog, message)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The CUDA tools: eval.py compile reads SASS with cuobjdump and nvdisasm; bringup --sanitizer runs
 # compute-sanitizer

@@ -961,6 +961,25 @@ def test_export_writes_exactly_where_it_is_told(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out.startswith("wrote a/b/copy.py: ")
 
 
+def test_export_to_a_name_not_ending_in_py_needs_force(tmp_path, capsys, monkeypatch):
+    # Regression: `eval.py export --variant seed -o out/sub.txt` wrote a submission to a .txt file without a word.
+    import bringup
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("sub.txt", "sub", "sub.py.bak"):
+        line = in_process_line(capsys, bringup.export_main(["--variant", "seed", "-o", name]), 2)
+        assert line == (f"eval.py export: -o {name} does not end in .py, as a file for the leaderboard must; name a "
+                        ".py file, or pass --force to write it anyway"), line
+    assert list(tmp_path.iterdir()) == []
+    assert bringup.export_main(["--variant", "seed", "-o", "sub.txt", "--force"]) == 0
+    assert (tmp_path / "sub.txt").read_text() == _exported("seed")
+
+
+def test_export_to_a_name_not_ending_in_py_in_a_subprocess(tmp_path):
+    line = one_line(run("eval.py", "export", "--variant", "seed", "-o", tmp_path / "sub.txt"), 2)
+    assert "does not end in .py" in line and "--force" in line and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs git and a checkout")
 def test_the_readme_s_export_examples_write_git_ignored_files():
     # Regression: the README's `eval.py export --variant seed -o sub_seed.py` left sub_seed.py untracked in
@@ -1078,7 +1097,7 @@ def test_compile_shows_each_kernel_s_stage_counts(tmp_path, capsys, fake_builds,
 
 
 # ---------------------------------------------------------------------------------------------------------
-# bringup.py run by itself; a variable of the other arch
+# The modules that are no command of their own, run by themselves; a variable of the other arch
 # ---------------------------------------------------------------------------------------------------------
 def test_bringup_py_run_by_itself_points_to_eval_py():
     # Regression: `python bringup.py` printed nothing and exited 0.
@@ -1086,6 +1105,21 @@ def test_bringup_py_run_by_itself_points_to_eval_py():
     line = one_line(proc, 2)
     assert line.startswith("bringup.py: ") and "python eval.py bringup" in line and "eval.py export" in line
     assert proc.stdout == ""
+
+
+# The other modules that are no command of their own, and what each names to run instead. Regression (issue 55):
+# bench_moe.py, bench_serving.py and moe.py, with or without --help, printed nothing and exited 0.
+NOT_COMMANDS = {"bringup.py": "python eval.py bringup", "bench_moe.py": "python bench.py --moe",
+                "bench_serving.py": "python bench.py --moe --serving", "moe.py": "import nvfp4_moe"}
+
+
+@pytest.mark.parametrize("script", NOT_COMMANDS)
+def test_a_module_run_by_itself_says_where_to_start(script):
+    proc = run(script)
+    line = one_line(proc, 2)
+    assert line.startswith(f"{script}: ") and NOT_COMMANDS[script] in line and proc.stdout == "", line
+    helped = run(script, "--help")
+    assert (helped.returncode, helped.stdout, helped.stderr) == (0, line + "\n", "")
 
 
 @pytest.mark.parametrize("variable,value,other", [("NVFP4_KERNEL_VARIANT", "sm90_auto", "NVFP4_SM90_VARIANT"),
