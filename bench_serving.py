@@ -1,8 +1,8 @@
-"""`python bench.py --moe --serving`: `moe.nvfp4_moe_mm` as a serving loop calls it, one MoE layer's expert GEMM
-per decode step with a new routing every step, made on the GPU, and nothing on the host waiting for the GPU.
+"""`python bench.py --moe --serving`: `nvfp4_moe.nvfp4_moe_mm` as a serving loop calls it, one MoE layer's expert
+GEMM per decode step with a new routing every step, made on the GPU, and nothing on the host waiting for the GPU.
 
 A case is one layer: E experts' NVFP4 weights (random bytes, so every e2m1 code; e4m3 scales of both signs,
-zero and subnormals up to 1.875), made once and prepared once (`moe.prepare_moe_weights`). A step draws a
+zero and subnormals up to 1.875), made once and prepared once (`nvfp4_moe.prepare_moe_weights`). A step draws a
 routing on the GPU: each of T tokens picks top-k distinct experts by Gumbel top-k over log(rank^-s) (a seeded
 shuffle of the experts, s per case as in bench_moe: skewed popularity, some experts empty); the routed rows are
 sorted by expert, offs[e] = rows of experts <= e (a searchsorted over the sorted ids: no host sync, so it
@@ -37,6 +37,7 @@ beside custom_kernel's, planned on the host, on the same routing and inputs.
 import dataclasses
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -315,7 +316,7 @@ def humming_peer(bench, case: MoeCase, b, b_scale, router: Router) -> tuple:
 def run_case(case: MoeCase, steps: int, check_steps: int, rate: float, bench, humming: bool, rows: list,
              notes: list, device) -> None:
     """The case's three rows, appended to `rows` as they are measured."""
-    import moe
+    import nvfp4_moe.gemm as moe
 
     say = lambda what: harness.progress(f"[{case.name}] {what}")  # noqa: E731
     b, b_scale = make_weights(case, device)
@@ -464,7 +465,7 @@ def schedule_lines(cases: list, calls: int = 10) -> list:
     (the host planner's schedule, `plan_sm90_work`) and of nvfp4_moe_mm with fp16 out (the schedule made on the
     GPU), bench_moe's timing (median of `calls`, each alone, L2 flushed), both outputs checked (bench_moe's
     tolerance, float64 decode)."""
-    import moe
+    import nvfp4_moe.gemm as moe
     import submission
 
     lines = ["| case | custom_kernel µs (host plan) | nvfp4_moe_mm µs (GPU plan) | GPU / host "
@@ -504,7 +505,7 @@ def benchmark_w4a16_lines(bench, humming: bool, rate: float, calls: int = 10, ca
     beforehand) and of torch._grouped_mm (bf16, dequantized beforehand), bench_moe's timing (median of `calls`,
     each alone, L2 flushed); the floor: B, SFB, A (2 bytes) and C (2 bytes) at the measured DRAM rate. Every
     output checked against the float64 product (CHECK_TOL). cases: (M list, N, K) each; task.yml's by default."""
-    import moe
+    import nvfp4_moe.gemm as moe
 
     lines = ["| benchmark (G × M, N, K) | W4A16 bf16 A µs | W4A16 fp16 A µs | humming fp16 A µs | humming / ours (fp16 A) "
              "| grouped_mm bf16 µs | floor µs (ours bf16 / floor) | worst err/tol (bf16, fp16; humming) |",
@@ -594,3 +595,9 @@ def main(args, bench, device="cuda") -> int:
                         + lines))
         failed = failed or any(float(line.split("|")[5].split(",")[1]) > 1 for line in lines[2:])
     return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(harness.not_a_command("bench_serving.py", "not a command of its own: python bench.py --moe --serving "
+                                                       "runs it (python bench.py --help lists the options)",
+                                   sys.argv[1:]))

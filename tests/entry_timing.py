@@ -37,7 +37,10 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     sys.path.insert(0, args.root)
-    import moe
+    try:
+        import nvfp4_moe.gemm as moe
+    except ImportError:  # a checkout from before the package
+        import moe
 
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     rows_out = []

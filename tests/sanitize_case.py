@@ -36,10 +36,10 @@ PAIRS_CASE = dict(m=(8, 16, 24, 3, 30), n=(4096,) * 5, k=(1536,) * 5, g=5, seed=
 
 
 def moe_entry(a_dtype=None) -> int:
-    """The MoE entry (moe.py): its three builds, each a preparation launch and a GEMM, on routings with empty
-    experts and rows no expert covers; checked as tests/test_gpu_moe.py checks them. a_dtype (torch.bfloat16):
-    W4A16, 16-bit A and the weights in its order ("moe16")."""
-    import moe
+    """The MoE entry (nvfp4_moe.gemm): its three builds, each a preparation launch and a GEMM, on routings with
+    empty experts and rows no expert covers; checked as tests/test_gpu_moe.py checks them. a_dtype
+    (torch.bfloat16): W4A16, 16-bit A and the weights in its order ("moe16")."""
+    import nvfp4_moe.gemm as moe
     from test_gpu_moe import Layer, _check, _counts, _offs
 
     bad = 0

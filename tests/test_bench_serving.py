@@ -59,7 +59,7 @@ def test_cases_are_the_layers_asked_for_and_reuse_bench_moes():
         ("qwen3-down-512", 2048, 768, 128, 512, 8), ("prefill-dsv3-up-4096", 4096, 7168, 32, 4096, 8)]
     assert sum(c in bench_moe.MOE_CASES for c in cases) == 5  # all but DeepSeek-V3 down at 64 tokens
     assert [c.name for c in bs.select_cases(" qwen3-down-512,dsv3-up-64")] == ["qwen3-down-512", "dsv3-up-64"]
-    import moe
+    import nvfp4_moe.gemm as moe
 
     for c in cases:  # the entry's weight shape rules (N % 128, K % 256), on meta tensors
         b, scale = moe.prepare_moe_weights(torch.empty((c.experts, c.n, c.k // 2), dtype=torch.uint8, device="meta"),
@@ -200,7 +200,9 @@ class _Graph:
 
 @pytest.fixture
 def cpu_run(monkeypatch, capsys):
-    real_moe = __import__("moe")
+    import nvfp4_moe
+
+    real_moe = nvfp4_moe.gemm
     def gemm(a, a_scale, b, b_scale, offs, out):  # the reference on prepared weights: decode the blocked scales
         if b.dtype == torch.int8:  # W4A16's [E, N, K/128, 64]: one row of codes per expert row
             b = b.reshape(b.shape[0], b.shape[1], -1)
@@ -222,7 +224,7 @@ def cpu_run(monkeypatch, capsys):
 
     fake_moe = types.SimpleNamespace(prepare_moe_weights=real_moe.prepare_moe_weights,
                                      nvfp4_moe_mm=lambda a, s, b, bs_, offs, out: gemm(a, s, b, bs_, offs, out))
-    monkeypatch.setitem(sys.modules, "moe", fake_moe)
+    monkeypatch.setattr(nvfp4_moe, "gemm", fake_moe)  # what bench_serving's `import nvfp4_moe.gemm as moe` binds
     queue = types.SimpleNamespace(wait_stream=lambda other: None)
     for name, value in (("Event", _Event), ("synchronize", lambda: None), ("Stream", lambda: queue),
                         ("current_stream", lambda: queue), ("stream", lambda q: contextlib.nullcontext()),
@@ -259,7 +261,7 @@ def test_a_whole_run_prints_three_checked_rows(cpu_run):
 
 
 def test_a_wrong_gemm_fails_the_run(cpu_run, monkeypatch):
-    moe = sys.modules["moe"]
+    moe = sys.modules["nvfp4_moe"].gemm  # the stand-in (cpu_run)
     right = moe.nvfp4_moe_mm
     monkeypatch.setattr(moe, "nvfp4_moe_mm", lambda *a, out: right(*a, out=out).add_(1.0))
     code, lines, _ = cpu_run(check_steps=1)
@@ -267,7 +269,7 @@ def test_a_wrong_gemm_fails_the_run(cpu_run, monkeypatch):
 
 
 def test_a_wrong_w4a16_result_fails_the_run(cpu_run, monkeypatch):
-    moe = sys.modules["moe"]
+    moe = sys.modules["nvfp4_moe"].gemm  # the stand-in (cpu_run)
     right = moe.nvfp4_moe_mm
     monkeypatch.setattr(moe, "nvfp4_moe_mm", lambda a, s, *rest, out: right(a, s, *rest, out=out).add_(
         1.0 if s is None else 0.0))
@@ -287,7 +289,7 @@ def test_w4a16_benchmark_table_on_tiny_shapes(cpu_run, monkeypatch):
     floor = (3 * (256 * 128 + 256 * 16) + 64 * 256 * 2 + 64 * 256 * 2) / 4e12 * 1e6
     assert cells[1:7] == ["7.0", "7.0", "-", "-", "7.0", f"{floor:.1f} ({7.0 / floor:.2f}×)"]
     assert [float(x) <= 1 for x in cells[7].split(";")[0].split(",")] == [True, True]
-    moe = sys.modules["moe"]
+    moe = sys.modules["nvfp4_moe"].gemm  # the stand-in (cpu_run)
     right = moe.nvfp4_moe_mm
     monkeypatch.setattr(moe, "nvfp4_moe_mm", lambda *a, out: right(*a, out=out).add_(1.0))
     bad = bs.benchmark_w4a16_lines(bench, False, 4e12, cases=cases[:1], device="cpu")

@@ -26,7 +26,7 @@ pytestmark = [
 _SCRIPT = r"""
 import dataclasses, json, sys
 sys.path.insert(0, sys.argv[1])
-import moe
+import nvfp4_moe.gemm as moe
 import torch
 experts, n, k, build, bf16 = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6] == "1"
 a_input = sys.argv[8]

@@ -32,7 +32,7 @@ def _decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 class Layer:
     def __init__(self, e, n, k, seed):
-        import moe
+        import nvfp4_moe.gemm as moe
 
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.e, self.n, self.k = e, n, k
@@ -125,7 +125,7 @@ KINDS = [(None, torch.bfloat16), (None, torch.float16), (torch.bfloat16, torch.b
 def test_results_and_schedule(case, kind):
     """Within half an ulp of out plus the fp32 accumulation bound of the float64 product, every build and tile
     width, with and without alpha; W4A16: B converted exactly to A's type."""
-    import moe
+    import nvfp4_moe.gemm as moe
 
     a_dtype, out_dtype = kind
     if a_dtype is not None and CAPABILITY != (9, 0):
@@ -150,7 +150,7 @@ def test_results_and_schedule(case, kind):
 
 @pytest.mark.skipif(CAPABILITY != (10, 0), reason="the B200's refusal")
 def test_w4a16_refused_on_b200():
-    import moe
+    import nvfp4_moe.gemm as moe
 
     layer = Layer(8, 256, 512, seed=3)
     a, _ = layer.tokens16(16, torch.bfloat16)
@@ -195,7 +195,7 @@ def _buffers(moe, t, e, n, k, out_dtype, a_input):
 
 
 def test_bad_offsets_stay_in_bounds():
-    import moe
+    import nvfp4_moe.gemm as moe
 
     layer = Layer(8, 256, 512, seed=7)
     t = 100
@@ -213,7 +213,7 @@ def test_bad_offsets_stay_in_bounds():
 def test_back_to_back_routings_share_buffers(mixed):
     """15 calls queued with no sync, each a new routing and new tokens (the runner's pattern, for the entry);
     mixed (Hopper): two calls in three W4A16 (bf16 A, the weights in its order) between NVFP4 calls of one layer."""
-    import moe
+    import nvfp4_moe.gemm as moe
 
     if mixed and CAPABILITY != (9, 0):
         pytest.skip("W4A16 is the Hopper path")
@@ -237,7 +237,7 @@ def test_back_to_back_routings_share_buffers(mixed):
 
 
 def test_cuda_graph_replays_new_routing():
-    import moe
+    import nvfp4_moe.gemm as moe
 
     layer, gen, a, a_scale, offs = _routed(64, 512, 1024, 256, seed=13)
     t = 256
@@ -279,7 +279,7 @@ def _counts_to(e, t, gen):
 
 
 def test_torch_compile_fullgraph():
-    import moe
+    import nvfp4_moe.gemm as moe
 
     layer, _, a, a_scale, offs = _routed(16, 256, 512, 96, seed=17)
 

@@ -294,7 +294,7 @@ def check_w4a16_chunk(seed, bf16):
     layout, each consumer thread's four words per row, its row's two scale words (k-blocks 0-3 and 4-7), word t's
     pair (k-blocks 2 t, 2 t + 1) "split" over its registers, the wgmma A-operand fragment read back to (n, k):
     sum_k A[m, k] Blog[n, k] 2^14 must be the exact product."""
-    import moe
+    import nvfp4_moe.gemm as moe
 
     rng = np.random.default_rng(seed)
     b_bytes = rng.integers(0, 256, (128, 64), dtype=np.uint8)
