@@ -27,10 +27,7 @@ pytestmark = pytest.mark.wheel
 TOP_LEVEL = {"nvfp4_moe", "submission", "submission_sm90"}
 # The repository's tools: generic names, which in an engine's environment would collide with other packages'
 GENERIC = ("utils", "task", "eval", "reference", "harness", "bench", "bench_moe", "bench_serving", "bringup", "moe")
-# The ops `import nvfp4_moe` alone must register. NOTE: the layer's ("layer", "layer_out") join this tuple once
-# nvfp4_moe/__init__.py imports nvfp4_moe.layer (issue 52); until then PROBE imports nvfp4_moe.layer itself before
-# tracing the layer.
-OPS_ON_IMPORT = ("mm", "mm_out")
+# The ops `import nvfp4_moe` registers: the entry's and the layer's
 OPS = ("mm", "mm_out", "layer", "layer_out")
 
 # Run by the fresh environment's Python from the file system's root; prints one JSON line.
@@ -40,8 +37,8 @@ import torch
 import nvfp4_moe
 import submission, submission_sm90
 
-ops = lambda: [name for name in OPS if hasattr(torch.ops.nvfp4_moe, name)]
-report = dict(files={m.__name__: m.__file__ for m in (nvfp4_moe, submission, submission_sm90)}, on_import=ops())
+report = dict(files={m.__name__: m.__file__ for m in (nvfp4_moe, submission, submission_sm90)},
+              on_import=[name for name in OPS if hasattr(torch.ops.nvfp4_moe, name)])
 report["generic"] = {name: getattr(importlib.util.find_spec(name), "origin", None) for name in GENERIC}
 
 
@@ -66,17 +63,12 @@ T, E, H, I, K = 16, 8, 256, 256, 2  # tokens, experts, hidden, intermediate, top
 b, b_scale = nvfp4_moe.prepare_moe_weights(u8(E, 2 * I, H // 2), e4m3(E, 2 * I, H // 16))
 offs = torch.empty(E, dtype=torch.int32, **meta)
 report["entry"] = trace(nvfp4_moe.nvfp4_moe_mm, u8(T * K, H // 2), e4m3(T * K, H // 16), b, b_scale, offs, f32(E))
-
-if importlib.util.find_spec("nvfp4_moe.layer") is not None:
-    from nvfp4_moe import layer  # registers the layer's ops (see OPS_ON_IMPORT)
-
-    # vLLM's checkpoint tensors: w13_weight [E, 2I, H/2], w13_weight_scale [E, 2I, H/16], w2 likewise, alphas [E]
-    weights = layer.prepare_moe_layer(u8(E, 2 * I, H // 2), e4m3(E, 2 * I, H // 16), u8(E, H, I // 2),
+# vLLM's checkpoint tensors: w13_weight [E, 2I, H/2], w13_weight_scale [E, 2I, H/16], w2 likewise, alphas [E]
+weights = nvfp4_moe.prepare_moe_layer(u8(E, 2 * I, H // 2), e4m3(E, 2 * I, H // 16), u8(E, H, I // 2),
                                       e4m3(E, H, I // 16), f32(E), f32(E))
-    x = torch.empty(T, H, dtype=torch.bfloat16, **meta)
-    topk_ids = torch.empty(T, K, dtype=torch.int32, **meta)
-    report["layer"] = trace(layer.nvfp4_moe_layer, x, topk_ids, f32(T, K), weights, f32(()), f32(()))
-report["after"] = ops()
+x = torch.empty(T, H, dtype=torch.bfloat16, **meta)
+topk_ids = torch.empty(T, K, dtype=torch.int32, **meta)
+report["layer"] = trace(nvfp4_moe.nvfp4_moe_layer, x, topk_ids, f32(T, K), weights, f32(()), f32(()))
 print(json.dumps(report))
 '''
 
@@ -159,15 +151,13 @@ def check_report(report: dict, installed_in: Path):
         assert Path(file).resolve().is_relative_to(installed_in.resolve()), (module, file, installed_in)
     for name, origin in report["generic"].items():  # another package's module of that name is not ours
         assert origin is None or not Path(origin).resolve().is_relative_to(installed_in.resolve()), (name, origin)
-    assert set(OPS_ON_IMPORT) <= set(report["on_import"]), report["on_import"]
+    assert report["on_import"] == list(OPS), report["on_import"]
     entry = report["entry"]
     assert [call.split(".")[:2] for call in entry["calls"]] == [["nvfp4_moe", "mm"]], entry
     assert entry["shape"] == [32, 512] and entry["dtype"] == "torch.bfloat16", entry
-    assert "layer" in report, "nvfp4_moe.layer is missing from the install"
     layer = report["layer"]
     assert [call.split(".")[:2] for call in layer["calls"]] == [["nvfp4_moe", "layer"]], layer
     assert layer["shape"] == [16, 256] and layer["dtype"] == "torch.bfloat16", layer
-    assert set(OPS) <= set(report["after"]), report["after"]
 
 
 def test_the_wheel_holds_the_package_and_the_kernel_files_only(wheel):
