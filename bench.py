@@ -40,8 +40,8 @@ stderr, a profile of one more re-routed call per case: where a new routing's hos
 rows each, K 256 to 2048: a part's fixed cost against its chunks'), which only run when named, and
 --moe-shared-weights points every expert at one expert's weights (then read from L2): the kernel without the
 weights' DRAM traffic.
-With --moe --serving it runs bench_serving.py instead: moe.nvfp4_moe_mm in a decode loop with a new routing drawn
-on the GPU every step, eager and in CUDA graphs, beside torch._grouped_mm and humming (bench_serving.py says how).
+With --moe --serving it runs bench_serving.py instead: nvfp4_moe.nvfp4_moe_mm in a decode loop with a new routing
+drawn on the GPU every step, eager and in CUDA graphs, beside torch._grouped_mm and humming (bench_serving.py says how).
 Notes under the table say whether humming passed the check (and its worst |err|/tol), or why its column is
 absent (humming-kernels not importable, or --no-humming).
 """
