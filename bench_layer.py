@@ -120,15 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def select_cases(names: Optional[str]) -> list:
     """The cases named in a comma-separated list (all when None); ValueError naming an unknown one."""
-    if names is None:
-        return list(LAYER_CASES)
-    by_name = {c.name: c for c in LAYER_CASES}
-    picked = [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in picked if n not in by_name]
-    if unknown or not picked:
-        raise ValueError(f"--cases: {'unknown case ' + repr(unknown[0]) if unknown else 'no case named'}; choose "
-                         f"from {', '.join(by_name)}")
-    return [by_name[n] for n in picked]
+    return harness.pick_by_name(names, LAYER_CASES, LAYER_CASES, "--cases")
 
 
 def expert_weight_bytes(case: LayerCase) -> int:

@@ -90,15 +90,7 @@ PART_CASES = tuple(MoeCase(f"parts-k{k}", "uniform: 128 experts x 16 rows", 1536
 def select_cases(names: Optional[str]) -> list:
     """The cases named in a comma-separated list (MOE_CASES when None; PART_CASES only by name); ValueError
     naming an unknown one."""
-    if names is None:
-        return list(MOE_CASES)
-    by_name = {case.name: case for case in MOE_CASES + PART_CASES}
-    picked = [name.strip() for name in names.split(",") if name.strip()]
-    unknown = [name for name in picked if name not in by_name]
-    if unknown or not picked:
-        what = f"unknown case {unknown[0]!r}" if unknown else "no case named"
-        raise ValueError(f"--moe-cases: {what}; choose from {', '.join(by_name)}")
-    return [by_name[name] for name in picked]
+    return harness.pick_by_name(names, MOE_CASES, MOE_CASES + PART_CASES, "--moe-cases")
 
 
 # bench.py's options that --moe does not take, by their argparse names

@@ -70,15 +70,7 @@ OWN_OPTIONS = (("serving_cases", "--serving-cases"), ("serving_steps", "--servin
 
 def select_cases(names: Optional[str]) -> list:
     """The cases named in a comma-separated list (all when None); ValueError naming an unknown one."""
-    if names is None:
-        return list(SERVING_CASES)
-    by_name = {case.name: case for case in SERVING_CASES}
-    picked = [name.strip() for name in names.split(",") if name.strip()]
-    unknown = [name for name in picked if name not in by_name]
-    if unknown or not picked:
-        what = f"unknown case {unknown[0]!r}" if unknown else "no case named"
-        raise ValueError(f"--serving-cases: {what}; choose from {', '.join(by_name)}")
-    return [by_name[name] for name in picked]
+    return harness.pick_by_name(names, SERVING_CASES, SERVING_CASES, "--serving-cases")
 
 
 def options_problem(args, defaults: dict) -> Optional[str]:

@@ -318,6 +318,20 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {self.misspelt_option() or message} (--help for usage)\n")
 
 
+def pick_by_name(names: Optional[str], default: tuple, known: tuple, option: str) -> list:
+    """The cases named in a comma-separated list (`default` when None), looked up among `known` by their `.name`;
+    ValueError naming `option` and an unknown or missing name, and what there is to choose from."""
+    if names is None:
+        return list(default)
+    by_name = {case.name: case for case in known}
+    picked = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in picked if name not in by_name]
+    if unknown or not picked:
+        what = f"unknown case {unknown[0]!r}" if unknown else "no case named"
+        raise ValueError(f"{option}: {what}; choose from {', '.join(by_name)}")
+    return [by_name[name] for name in picked]
+
+
 def usage_error(prog: str, message: str) -> int:
     print(f"{prog}: {message}", file=sys.stderr)
     return 2
