@@ -17,6 +17,12 @@ from typing import Optional
 
 import torch
 
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+
+from . import simt
+
 from .routing import Routing
 
 
@@ -35,3 +41,56 @@ def combine(y: torch.Tensor, routing: Routing, topk_weights: Optional[torch.Tens
     if out is None:
         return total.to(out_dtype)
     return out.copy_(total)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The combine kernel (the layer's GPU path)
+# ---------------------------------------------------------------------------------------------------------
+class CombineKernel:
+    """The layer's last launch: out bf16 [T, H] from GEMM2's y bf16 [T k, H], one thread per 8 columns of a
+    token, grid (H / 8 / threads, T): for j = 0 .. k-1 in order, the pair's row (`inverse`; -1: none) times its
+    router weight (fp32 `mul.rn`, the weight widened from `weight_dtype`; none with weights applied on the
+    input), added in fp32 (`add.rn`), then rounded to bf16 once: `combine`'s statement, bit for bit. A pair of no
+    row adds nothing by a select (its clamped row's load may be anything, NaN included); the sum starts at +0
+    and never becomes -0, so a token with no valid pair is +0 as torch's zeros."""
+
+    threads = 128
+
+    def __init__(self, hidden: int, top_k: int, weight_dtype: Optional[str]):
+        self.hidden, self.top_k, self.weight_dtype = hidden, top_k, weight_dtype
+        self.chunks = hidden // 8
+
+    @cute.jit
+    def __call__(self, y: cutlass.Int64, inverse: cutlass.Int64, weights: cutlass.Int64, out: cutlass.Int64,
+                 num_tokens: cutlass.Int32, stream: cuda.CUstream):
+        self.kernel(y, inverse, weights, out).launch(
+            grid=((self.chunks + self.threads - 1) // self.threads, num_tokens, 1), block=(self.threads, 1, 1),
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, y: cutlass.Int64, inverse: cutlass.Int64, weights: cutlass.Int64, out: cutlass.Int64):
+        tid, _, _ = cute.arch.thread_idx()
+        bx, t, _ = cute.arch.block_idx()
+        c = bx * self.threads + tid
+        if c < self.chunks:
+            self.chunk(y, inverse, weights, out, t, c)
+
+    @cute.jit
+    def chunk(self, y: cutlass.Int64, inverse: cutlass.Int64, weights: cutlass.Int64, out: cutlass.Int64, t, c):
+        """Columns 8 c .. 8 c + 7 of token t."""
+        H, k = self.hidden, self.top_k
+        acc = [cutlass.Float32(0.0) for _ in range(8)]
+        for j in cutlass.range_constexpr(k):
+            row = simt.ld_global_nc_s32(inverse + 4 * (cutlass.Int64(t) * k + j))
+            valid = cutlass.Int32(row >= 0)
+            words = simt.ld_global_v4(y + cutlass.Int64(cutlass.max(row, cutlass.Int32(0))) * (2 * H) + 16 * c)
+            terms = []
+            for i in cutlass.range_constexpr(4):
+                terms.extend(simt.bf16x2_to_f32(words[i]))
+            if cutlass.const_expr(self.weight_dtype is not None):
+                w = simt.load_f32_weight(weights + (cutlass.Int64(t) * k + j) * simt.WEIGHT_BYTES[self.weight_dtype],
+                                         self.weight_dtype)
+                terms = [simt.mul_rn(v, w) for v in terms]
+            acc = [simt.add_rn(s, simt.select_f32(valid, v, cutlass.Float32(0.0))) for s, v in zip(acc, terms)]
+        words = [simt.f32x2_to_bf16x2(acc[2 * i], acc[2 * i + 1]) for i in range(4)]
+        simt.st_global_v4(out + cutlass.Int64(t) * (2 * H) + 16 * c, words[0], words[1], words[2], words[3])

@@ -317,8 +317,9 @@ class MoePrepareKernel:
             extra = cutlass.max(cta - (self.grid - rest), cutlass.Int32(0))
         return cta * laps + extra
 
-    def __init__(self, gemm, num_experts: int, n: int, k: int, grid: int):
+    def __init__(self, gemm, num_experts: int, n: int, k: int, grid: int, zero_tail: bool = True):
         self.gemm = gemm
+        self.zero_tail = zero_tail  # the layer's GEMMs: off (nothing reads the rows past the last end)
         self.write_row = host.GroupTensormapKernel(gemm).write_row
         self.num_experts = num_experts
         self.n, self.k, self.grid = n, k, grid
@@ -335,6 +336,8 @@ class MoePrepareKernel:
         E = self.num_experts
         ptr_table, size_table, tensormaps = prepared_tables(tables, workspace, E, len(self.gemm.descriptor_slots))
         converting, zeroing = row_blocks(num_tokens, self.k, self.threads, self.convert)
+        if cutlass.const_expr(not self.zero_tail):
+            zeroing = 0
         self.kernel(self.gemm.descriptor_atoms(), ptr_table, size_table, tensormaps, offs, a, sfa, b, sfb, c,
                     alpha, work, num_tokens, converting).launch(grid=(E + converting + zeroing, 1, 1),
                                                                 block=(self.threads, 1, 1), stream=stream)
@@ -523,8 +526,9 @@ class MoeSm100PrepareKernel:
 
     threads = 128
 
-    def __init__(self, gemm, num_experts: int, n: int, k: int):
+    def __init__(self, gemm, num_experts: int, n: int, k: int, zero_tail: bool = True):
         self.gemm = gemm
+        self.zero_tail = zero_tail
         self.write_row = host.GroupTensormapKernel(gemm).write_row
         self.num_experts, self.n, self.k = num_experts, n, k
         self.per_lane = ceil_div(num_experts, 32)
@@ -539,6 +543,8 @@ class MoeSm100PrepareKernel:
         E = self.num_experts
         ptr_table, size_table, tensormaps = prepared_tables(tables, workspace, E, len(self.gemm.descriptor_slots))
         _, zeroing = row_blocks(num_tokens, self.k, self.threads, False)
+        if cutlass.const_expr(not self.zero_tail):
+            zeroing = 0
         self.kernel(self.gemm.descriptor_atoms(), ptr_table, size_table, tensormaps, offs, a, sfa, b, sfb, c,
                     alpha, workspace, sfa_blocked, num_tokens).launch(grid=(E + zeroing, 1, 1),
                                                                       block=(self.threads, 1, 1), stream=stream)
@@ -834,15 +840,16 @@ _LOCK = threading.Lock()  # a call's launches and its arena: one caller at a tim
 MAX_SIGNATURES = 1024  # a serving engine has a few shapes per layer kind and batch size
 
 
-def _compile(kind: str, num_experts: int, n: int, k: int, config, grid: int):
-    key = (kind, num_experts, n, k, config, grid)
+def _compile(kind: str, num_experts: int, n: int, k: int, config, grid: int, zero_tail: bool = True):
+    key = (kind, num_experts, n, k, config, grid, zero_tail and kind == "prepare")
     fn = _compiled.get(key)
     if fn is None and isinstance(config, host.Sm100PersistentConfig):
         gemm = MoeSm100Gemm(config)
         queue = cuda.CUstream(0)
         if kind == "prepare":
             ints = (cutlass.Int64(0),) * 10
-            fn = cute.compile(MoeSm100PrepareKernel(gemm, num_experts, n, k), *ints, cutlass.Int32(1), queue)
+            fn = cute.compile(MoeSm100PrepareKernel(gemm, num_experts, n, k, zero_tail), *ints, cutlass.Int32(1),
+                              queue)
         else:
             fn = cute.compile(gemm.on_stream, *host.kernel_args((0, 0, 0, 0, 1)), num_experts, queue)
         _compiled[key] = fn
@@ -851,7 +858,8 @@ def _compile(kind: str, num_experts: int, n: int, k: int, config, grid: int):
         queue = cuda.CUstream(0)
         if kind == "prepare":
             ints = (cutlass.Int64(0),) * 10
-            fn = cute.compile(MoePrepareKernel(gemm, num_experts, n, k, grid), *ints, cutlass.Int32(1), queue)
+            fn = cute.compile(MoePrepareKernel(gemm, num_experts, n, k, grid, zero_tail), *ints, cutlass.Int32(1),
+                              queue)
         else:
             fn = cute.compile(gemm.on_stream, *sm90.sm90_gemm_args((0, 0, 0, 0, 0, 1)), queue)
         _compiled[key] = fn
@@ -869,8 +877,9 @@ def _hopper_config(build: str, out_dtype, a_input: str):
 
 
 def _kernels_for(device: torch.device, num_tokens: int, num_experts: int, n: int, k: int, out_dtype,
-                 a_input: str) -> tuple:
-    """(the kernels, the build) of a call of T tokens: compiled and wrapped once per key (`_kernels`)."""
+                 a_input: str, zero_tail: bool = True) -> tuple:
+    """(the kernels, the build) of a call of T tokens: compiled and wrapped once per key (`_kernels`).
+    zero_tail=False (the layer's GEMMs): the rows of C past the last end are left as they are."""
     major, _ = host._device_capability(device.index)
     if major not in (9, 10):
         raise host.UnsupportedDeviceError(f"nvfp4_moe_mm runs on Hopper (sm_90) and B200 (sm_100) GPUs; this GPU is "
@@ -879,14 +888,14 @@ def _kernels_for(device: torch.device, num_tokens: int, num_experts: int, n: int
         raise ValueError("nvfp4_moe_mm: 16-bit a (W4A16) runs on Hopper only; on a B200 give NVFP4 a [T, K/2] with "
                          "its a_scale (the fp4 tensor cores take both operands in fp4)")
     build = choose_build(num_tokens, num_experts) if major == 9 else "b200"
-    key = (device.index, num_experts, n, k, build, out_dtype, a_input, host.USE_PDL)
+    key = (device.index, num_experts, n, k, build, out_dtype, a_input, host.USE_PDL, zero_tail)
     kernels = _kernels.get(key)
     if kernels is not None:
         return kernels, build
     grid = _sm_count(device.index)
     config = _hopper_config(build, out_dtype, a_input) if major == 9 else dataclasses.replace(
         b200_config(out_dtype), use_pdl=host.USE_PDL)
-    prepare = CellLauncher(_compile("prepare", num_experts, n, k, config, grid),
+    prepare = CellLauncher(_compile("prepare", num_experts, n, k, config, grid, zero_tail),
                            (*(cutlass.Int64(0),) * 10, cutlass.Int32(1), cuda.CUstream(0)),
                            (ctypes.c_int64,) * 10 + (ctypes.c_int32, ctypes.c_void_p), device.index)
     if major == 9:
@@ -937,10 +946,30 @@ def _plan_for(signature, a, a_scale, b, b_scale, offs, alpha, out) -> Optional[_
                                                                         out.dtype)
     if num_tokens == 0:
         return None
-    with torch.cuda.device(a.device), _relaxed_capture():  # a first call inside a capture compiles here
-        kernels, build = _kernels_for(a.device, num_tokens, num_experts, n, k, out_dtype, a_input)
+    return plan(a.device, num_tokens, num_experts, n, k, out_dtype, a_input)
+
+
+def plan(device: torch.device, num_tokens: int, num_experts: int, n: int, k: int, out_dtype, a_input: str,
+         zero_tail: bool = True) -> _Plan:
+    """The kernels and buffer layout of a checked call of T > 0 rows (the entry's, and each of the layer's
+    GEMMs: `launch`)."""
+    with torch.cuda.device(device), _relaxed_capture():  # a first call inside a capture compiles here
+        kernels, build = _kernels_for(device, num_tokens, num_experts, n, k, out_dtype, a_input, zero_tail)
     widths = moe_builds()[build].widths if kernels.hopper else ()
     return _Plan(kernels, *buffer_bytes(kernels.hopper, num_tokens, num_experts, n, k, a_input, widths, kernels.grid))
+
+
+def launch(plan: _Plan, base: int, offs: int, a: int, a_scale: int, b: int, b_scale: int, out: int, alpha: int,
+           num_tokens: int, queue: int) -> None:
+    """A plan's two launches on `queue` with its buffers at `base` (an arena's, plan.nbytes long) and the
+    operands' addresses (0 for no a_scale / alpha); the caller holds _LOCK and the device."""
+    kernels = plan.kernels
+    tables, workspace, work = base + plan.tables, base + plan.workspace, base + plan.work
+    kernels.prepare((offs, a, a_scale, b, b_scale, out, alpha, tables, workspace, work, num_tokens, queue))
+    if kernels.hopper:
+        kernels.gemm((tables, tables + 8 * kernels.ptr_words, workspace, work, 0, kernels.grid, queue))
+    else:
+        kernels.gemm((tables, tables + 8 * kernels.ptr_words, workspace, 0, kernels.grid, queue))
 
 
 def _capture_id(queue: int) -> Optional[int]:
@@ -1008,18 +1037,12 @@ def _moe_mm_into(a, a_scale, b, b_scale, offs, alpha, out) -> None:
     if (pa | pas | pb | pbs | po) & 15:
         check_moe_args(a, a_scale, b, b_scale, offs, alpha, out, out.dtype)  # names the misaligned one
     queue = signature[1]
-    kernels = plan.kernels
     with _on_device(a.device):
         capturing = torch.cuda.is_current_stream_capturing()
         with _LOCK:
             base = _arena(a.device, queue, capturing).reserve(plan.nbytes)
-            tables, workspace, work = base + plan.tables, base + plan.workspace, base + plan.work
-            kernels.prepare((offs.data_ptr(), pa, pas, pb, pbs, po, 0 if alpha is None else alpha.data_ptr(),
-                             tables, workspace, work, a.shape[0], queue))
-            if kernels.hopper:
-                kernels.gemm((tables, tables + 8 * kernels.ptr_words, workspace, work, 0, kernels.grid, queue))
-            else:
-                kernels.gemm((tables, tables + 8 * kernels.ptr_words, workspace, 0, kernels.grid, queue))
+            launch(plan, base, offs.data_ptr(), pa, pas, pb, pbs, po, 0 if alpha is None else alpha.data_ptr(),
+                   a.shape[0], queue)
 
 
 def _on_device(device: torch.device):

@@ -39,20 +39,27 @@ bitwise equal outputs.
 The GEMM is called through the module-level `_expert_gemm` (`gemm.nvfp4_moe_mm`): on tensors of the CPU it raises
 the entry's error (the layer runs on Hopper and B200 GPUs); the CPU tests put an exact torch GEMM in its place.
 """
+import contextlib
+import ctypes
 import dataclasses
 import math
 from typing import Optional
 
 import torch
 
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+
 from . import gemm
-from .activation import ACTIVATIONS, silu_and_mul, silu_and_mul_nvfp4
-from .combine import combine
-from .quantize import gather_quantize_nvfp4
-from .routing import route
+from .activation import ACTIVATIONS, SiluMulKernel, silu_and_mul, silu_and_mul_nvfp4
+from .combine import CombineKernel, combine
+from .quantize import GatherQuantizeKernel, gather_quantize_nvfp4
+from .routing import RouteKernel, route
 
 _expert_gemm = gemm.nvfp4_moe_mm
 
+WEIGHT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}  # the kernels' names
 K_MULTIPLE = 256  # the GEMM's K rule (check_moe_args): H for GEMM1, the (padded) I for GEMM2
 SCALE_BLOCK = 16
 _FP4_DTYPES = gemm._FP4_DTYPES  # uint8, and torch.float4_e2m1fn_x2 where torch has it
@@ -176,9 +183,9 @@ def check_layer_args(x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_
     need(topk_ids.dim() == 2 and topk_ids.dtype in (torch.int32, torch.int64),
          f"topk_ids must be [T, k] int32 or int64; got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     num_tokens, top_k = topk_ids.shape
-    need(tuple(topk_weights.shape) == (num_tokens, top_k) and topk_weights.dtype.is_floating_point,
-         f"topk_weights must be [T, k] = [{num_tokens}, {top_k}] floating point; got {tuple(topk_weights.shape)} "
-         f"{topk_weights.dtype}")
+    need(tuple(topk_weights.shape) == (num_tokens, top_k) and topk_weights.dtype in WEIGHT_DTYPES,
+         f"topk_weights must be [T, k] = [{num_tokens}, {top_k}] float32, bfloat16 or float16; got "
+         f"{tuple(topk_weights.shape)} {topk_weights.dtype}")
     if x_scale is None:
         need(tuple(x.shape) == (num_tokens, hidden) and x.dtype == torch.bfloat16,
              f"x must be bfloat16 [T, H] = [{num_tokens}, {hidden}] (or NVFP4 [T, H/2] uint8 with x_scale); got "
@@ -219,9 +226,11 @@ def check_layer_args(x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_
     return num_tokens, top_k, num_experts, hidden, path
 
 
-def _layer_into(x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, g1_alphas, g2_alphas, a1_gscale,
-                a2_gscale, expert_map, activation, apply_router_weight_on_input, out) -> torch.Tensor:
-    """One layer call (module docstring): the checks, then the stages."""
+def layer_stages(x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, g1_alphas, g2_alphas, a1_gscale,
+                 a2_gscale, expert_map, activation, apply_router_weight_on_input, out) -> torch.Tensor:
+    """The layer as its torch statements (stages 1, 2, 4, 6 in torch, the GEMMs through `_expert_gemm`): the CPU
+    path (the tests put an exact GEMM in place of the entry), and on a GPU the "two entry calls with torch glue"
+    that bench_layer compares with; the kernels of `_gpu_layer` compute the same stages."""
     path = check_layer_args(x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, g1_alphas, g2_alphas,
                             a1_gscale, a2_gscale, expert_map, activation, apply_router_weight_on_input, out)[-1]
     routing = route(topk_ids, w13.shape[0], expert_map)
@@ -238,6 +247,173 @@ def _layer_into(x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale
         h = _expert_gemm(a, a_scale, w13, w13_scale, routing.offs, g1_alphas)
         y = _expert_gemm(*silu_and_mul_nvfp4(h, routing, a2_gscale), w2, w2_scale, routing.offs, g2_alphas)
     return combine(y, routing, None if apply_router_weight_on_input else topk_weights, out=out)
+
+
+
+def _layer_into(x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, g1_alphas, g2_alphas, a1_gscale,
+                a2_gscale, expert_map, activation, apply_router_weight_on_input, out) -> torch.Tensor:
+    """One layer call (module docstring): on a GPU the stage kernels (`_gpu_layer`), else the torch statements
+    (whose GEMM is the entry's: it refuses CPU tensors unless a test replaced it)."""
+    args = (x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, g1_alphas, g2_alphas, a1_gscale,
+            a2_gscale, expert_map, activation, apply_router_weight_on_input, out)
+    if x.is_cuda:
+        return _gpu_layer(*args)
+    return layer_stages(*args)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The GPU path: six stages in eight launches on torch's current queue, their buffers in one arena
+# ---------------------------------------------------------------------------------------------------------
+def _launcher(kernel, types: str, device_index: int) -> gemm.CellLauncher:
+    """A stage kernel compiled once per (class, its parameters, device) and wrapped for ~1 µs launches: `types`
+    gives its arguments ('q' an address or Int64, 'i' an Int32), the CUDA queue last."""
+    key = (type(kernel).__name__, tuple(sorted(vars(kernel).items())), device_index)
+    launcher = _stage_launchers.get(key)
+    if launcher is None:
+        dsl_args = tuple(cutlass.Int64(0) if c == "q" else cutlass.Int32(1) for c in types) + (cuda.CUstream(0),)
+        with torch.cuda.device(device_index), gemm._relaxed_capture():
+            compiled = cute.compile(kernel, *dsl_args)
+            cells = tuple(ctypes.c_int64 if c == "q" else ctypes.c_int32 for c in types) + (ctypes.c_void_p,)
+            launcher = _stage_launchers[key] = gemm.CellLauncher(compiled, dsl_args, cells, device_index)
+    return launcher
+
+
+_WITH_GEMMS = True  # `gemms_removed` (a measurement of the other stages) turns it off
+
+
+@contextlib.contextmanager
+def gemms_removed():
+    """The GPU path without its two GEMMs' launches (the stages around them read whatever the buffers hold): for
+    measuring the non-GEMM stages' time alone (bench_layer). The outputs are meaningless meanwhile."""
+    global _WITH_GEMMS
+    _WITH_GEMMS = False
+    try:
+        yield
+    finally:
+        _WITH_GEMMS = True
+
+
+_stage_launchers: dict = {}  # (kernel class, parameters, device) -> CellLauncher
+_layer_plans: dict = {}  # `_layer_signature` -> _LayerPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerPlan:
+    """What a checked layer signature's calls reuse: the four stage launchers, the two GEMM plans, and the
+    offsets of the call's buffers in its arena (the GEMMs' tables and workspace first, shared: the launches run
+    in queue order, each GEMM's preparation after everything before it)."""
+
+    route: gemm.CellLauncher
+    gather: gemm.CellLauncher
+    activation: gemm.CellLauncher
+    combine: gemm.CellLauncher
+    gemm1: gemm._Plan
+    gemm2: gemm._Plan
+    at: dict  # buffer name -> offset
+    nbytes: int
+    tokens: int
+    rows: int
+    hidden: int
+
+
+def _layer_signature(args: tuple) -> tuple:
+    """What the checks read of the arguments (tensor shapes, dtypes, devices, contiguity; the flags) and the
+    queue."""
+    meta = tuple(None if t is None else (t.shape, t.dtype, t.get_device(), t.is_contiguous()) if
+                 isinstance(t, torch.Tensor) else t for t in args)
+    return meta, torch._C._cuda_getCurrentRawStream(args[0].get_device())
+
+
+def _make_layer_plan(x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, g1_alphas, g2_alphas,
+                     a1_gscale, a2_gscale, expert_map, activation, apply_router_weight_on_input, out) -> _LayerPlan:
+    num_tokens, top_k, num_experts, hidden, path = check_layer_args(
+        x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, g1_alphas, g2_alphas, a1_gscale, a2_gscale,
+        expert_map, activation, apply_router_weight_on_input, out)
+    device = x.device
+    tensors = [("x", x), ("x_scale", x_scale), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
+               ("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale), ("g1_alphas", g1_alphas),
+               ("g2_alphas", g2_alphas), ("a1_gscale", a1_gscale), ("a2_gscale", a2_gscale),
+               ("expert_map", expert_map), ("out", out)]
+    for name, t in tensors:
+        if t is not None and (t.device != device or not t.is_contiguous()):
+            raise ValueError(f"nvfp4_moe_layer: {name} must be contiguous and on {device} (x's device); got "
+                             f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+    padded = w13.shape[1] // 2
+    rows = num_tokens * top_k
+    fp4 = path != "w4a16"
+    index = device.index
+    weight_dtype = WEIGHT_DTYPES[topk_weights.dtype]
+    route_k = _launcher(RouteKernel(num_experts, top_k, topk_ids.dtype == torch.int64, expert_map is not None),
+                        "qqiqqqi", index)
+    mode = "codes" if path == "fp4 prequantized" else ("fp4" if fp4 else "bf16")
+    gather_k = _launcher(GatherQuantizeKernel(hidden, top_k, mode, a1_gscale is not None and a1_gscale.numel() != 1,
+                                              apply_router_weight_on_input, weight_dtype), "qqqqqqqqi", index)
+    act_k = _launcher(SiluMulKernel(num_experts, padded, fp4, a2_gscale is not None and a2_gscale.numel() != 1),
+                      "qqqqqqi", index)
+    combine_k = _launcher(CombineKernel(hidden, top_k, None if apply_router_weight_on_input else weight_dtype),
+                          "qqqqi", index)
+    a_input = "fp4" if fp4 else "bf16"
+    plan1 = gemm.plan(device, rows, num_experts, 2 * padded, hidden, torch.bfloat16, a_input, zero_tail=False)
+    plan2 = gemm.plan(device, rows, num_experts, hidden, padded, torch.bfloat16, a_input, zero_tail=False)
+    sizes = {"offs": 4 * num_experts, "inverse": 4 * rows, "row_expert": 4 * rows,
+             "a": rows * (hidden // 2 if fp4 else 2 * hidden), "a_scale": rows * hidden // 16 if fp4 else 0,
+             "h": rows * 4 * padded, "act": rows * (padded // 2 if fp4 else 2 * padded),
+             "act_scale": rows * padded // 16 if fp4 else 0, "y": rows * 2 * hidden}
+    at, cursor = {}, gemm.ceil_div(max(plan1.nbytes, plan2.nbytes), 1024) * 1024
+    for name, size in sizes.items():
+        at[name] = cursor
+        cursor += gemm.ceil_div(max(size, 1), 1024) * 1024
+    return _LayerPlan(route_k, gather_k, act_k, combine_k, plan1, plan2, at, cursor, num_tokens, rows, hidden)
+
+
+def _address(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _gpu_layer(x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, g1_alphas, g2_alphas, a1_gscale,
+               a2_gscale, expert_map, activation, apply_router_weight_on_input, out) -> torch.Tensor:
+    """The layer's stage kernels: the checks once per signature, then RouteKernel, GatherQuantizeKernel, GEMM1's
+    two launches, SiluMulKernel, GEMM2's two, CombineKernel, with this call's addresses."""
+    args = (x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, g1_alphas, g2_alphas, a1_gscale,
+            a2_gscale, expert_map, activation, apply_router_weight_on_input, out)
+    signature = _layer_signature(args)
+    plan = _layer_plans.get(signature)
+    if plan is None:
+        plan = _make_layer_plan(*args)
+        if len(_layer_plans) >= gemm.MAX_SIGNATURES:
+            _layer_plans.clear()
+        _layer_plans[signature] = plan
+    if out is None:
+        out = torch.empty((plan.tokens, plan.hidden), dtype=torch.bfloat16, device=x.device)
+    if plan.tokens == 0:
+        return out
+    px, po = x.data_ptr(), out.data_ptr()
+    if (px | po) & 15:
+        raise ValueError("nvfp4_moe_layer: x and out must be 16-byte aligned")
+    queue = signature[1]
+    at = plan.at
+    with gemm._on_device(x.device):
+        capturing = torch.cuda.is_current_stream_capturing()
+        with gemm._LOCK:
+            base = gemm._arena(x.device, queue, capturing).reserve(plan.nbytes)
+            offs, inverse, row_expert = base + at["offs"], base + at["inverse"], base + at["row_expert"]
+            a, a_scale, h = base + at["a"], base + at["a_scale"], base + at["h"]
+            act, act_scale, y = base + at["act"], base + at["act_scale"], base + at["y"]
+            weights = topk_weights.data_ptr()
+            plan.route((topk_ids.data_ptr(), _address(expert_map), 0 if expert_map is None else expert_map.shape[0],
+                        offs, inverse, row_expert, plan.tokens, queue))
+            plan.gather((px, _address(x_scale), inverse, row_expert, _address(a1_gscale), weights, a, a_scale,
+                         plan.tokens, queue))
+            fp4 = x.dtype != torch.bfloat16 or a1_gscale is not None
+            if _WITH_GEMMS:
+                gemm.launch(plan.gemm1, base, offs, a, a_scale if fp4 else 0, w13.data_ptr(), w13_scale.data_ptr(), h,
+                            g1_alphas.data_ptr(), plan.rows, queue)
+            plan.activation((h, offs, row_expert, _address(a2_gscale), act, act_scale, plan.rows, queue))
+            if _WITH_GEMMS:
+                gemm.launch(plan.gemm2, base, offs, act, act_scale if fp4 else 0, w2.data_ptr(), w2_scale.data_ptr(), y,
+                            g2_alphas.data_ptr(), plan.rows, queue)
+            plan.combine((y, inverse, weights, po, plan.tokens, queue))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -29,6 +29,11 @@ All torch operations, fixed shapes, no host sync: a kernel (the gather fused wit
 """
 import torch
 
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+
+from . import simt
 from .routing import Routing
 
 BLOCK = 16  # values per e4m3 scale
@@ -86,3 +91,100 @@ def gather_quantize_nvfp4(x: torch.Tensor, routing: Routing, global_scale: torch
     routing.row_token[r]) and quantized with global_scale (fp32 [] / [1], or [E] per expert by the row's):
     (codes uint8 [T k, H/2], scales e4m3 [T k, H/16]), the GEMM's `a` and `a_scale`."""
     return quantize_nvfp4(x[routing.row_token], row_global_scale(global_scale, routing.row_expert))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The gather kernel (the layer's GPU path)
+# ---------------------------------------------------------------------------------------------------------
+GATHER_MODES = ("fp4", "codes", "bf16")
+
+
+class GatherQuantizeKernel:
+    """The layer's second launch: token t's row of x written to each of its valid pairs' rows (`inverse`, from
+    `routing.RouteKernel`), one block of 16 values a thread, grid (H / 16 / threads, T):
+    - "fp4": x bf16 [T, H] quantized by `quantize_nvfp4`'s statement (`simt.quantize16`, bit for bit) with the
+      row's global scale (a scalar, or per expert by `row_expert`), into codes uint8 [T k, H/2] and row-major
+      scales e4m3 [T k, H/16];
+    - "codes": x already NVFP4 (uint8 [T, H/2], scales [T, H/16]): its codes and scales copied;
+    - "bf16": x bf16 copied (W4A16's A, [T k, H]).
+    `weight_on_input` (k = 1, "fp4" and "bf16"): x's values times the token's router weight first, the weight
+    rounded to bf16 and each product to bf16 (torch's x * w.to(x.dtype)). A pair of no row (-1) writes nothing.
+    Rows past offs[E-1] are never written: no GEMM reads them."""
+
+    threads = 128
+
+    def __init__(self, hidden: int, top_k: int, mode: str, per_expert_scale: bool, weight_on_input: bool,
+                 weight_dtype: str):
+        assert mode in GATHER_MODES and hidden % BLOCK == 0
+        self.hidden, self.top_k, self.mode = hidden, top_k, mode
+        self.per_expert_scale, self.weight_on_input, self.weight_dtype = per_expert_scale, weight_on_input, weight_dtype
+        self.blocks = hidden // BLOCK
+
+    @cute.jit
+    def __call__(self, x: cutlass.Int64, x_scale: cutlass.Int64, inverse: cutlass.Int64, row_expert: cutlass.Int64,
+                 global_scale: cutlass.Int64, weights: cutlass.Int64, a: cutlass.Int64, a_scale: cutlass.Int64,
+                 num_tokens: cutlass.Int32, stream: cuda.CUstream):
+        self.kernel(x, x_scale, inverse, row_expert, global_scale, weights, a, a_scale).launch(
+            grid=((self.blocks + self.threads - 1) // self.threads, num_tokens, 1), block=(self.threads, 1, 1),
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, x: cutlass.Int64, x_scale: cutlass.Int64, inverse: cutlass.Int64, row_expert: cutlass.Int64,
+               global_scale: cutlass.Int64, weights: cutlass.Int64, a: cutlass.Int64, a_scale: cutlass.Int64):
+        tid, _, _ = cute.arch.thread_idx()
+        bx, t, _ = cute.arch.block_idx()
+        b = bx * self.threads + tid
+        if b < self.blocks:
+            self.token_block(x, x_scale, inverse, row_expert, global_scale, weights, a, a_scale, t, b)
+
+    @cute.jit
+    def token_block(self, x: cutlass.Int64, x_scale: cutlass.Int64, inverse: cutlass.Int64, row_expert: cutlass.Int64,
+                    global_scale: cutlass.Int64, weights: cutlass.Int64, a: cutlass.Int64, a_scale: cutlass.Int64, t,
+                    b):
+        """Block b (16 values) of token t, to each of the token's rows."""
+        H, k = self.hidden, self.top_k
+        if cutlass.const_expr(self.mode == "codes"):
+            codes = simt.ld_global_v2(x + cutlass.Int64(t) * (H // 2) + 8 * b)
+            scale = simt.ld_global_u8(x_scale + cutlass.Int64(t) * (H // 16) + b)
+            for j in cutlass.range_constexpr(k):
+                row = simt.ld_global_nc_s32(inverse + 4 * (cutlass.Int64(t) * k + j))
+                if row >= 0:
+                    self.store_fp4(a, a_scale, row, b, scale, codes[0], codes[1])
+        else:
+            values = simt.load_bf16x16(x + cutlass.Int64(t) * (2 * H) + 32 * b)
+            if cutlass.const_expr(self.weight_on_input):
+                w = simt.load_f32_weight(weights + cutlass.Int64(t) * simt.WEIGHT_BYTES[self.weight_dtype],
+                                         self.weight_dtype)
+                w16 = simt.round_bf16(w)
+                values = [simt.round_bf16(simt.mul_rn(v, w16)) for v in values]
+            if cutlass.const_expr(self.mode == "bf16"):
+                words = [simt.f32x2_to_bf16x2(values[2 * i], values[2 * i + 1]) for i in range(8)]
+                for j in cutlass.range_constexpr(k):
+                    row = simt.ld_global_nc_s32(inverse + 4 * (cutlass.Int64(t) * k + j))
+                    if row >= 0:
+                        simt.store_words(a + cutlass.Int64(row) * (2 * H) + 32 * b, words)
+            elif cutlass.const_expr(not self.per_expert_scale):
+                sf, w0, w1 = simt.quantize16(values, simt.ld_global_nc_f32(global_scale))
+                for j in cutlass.range_constexpr(k):
+                    row = simt.ld_global_nc_s32(inverse + 4 * (cutlass.Int64(t) * k + j))
+                    if row >= 0:
+                        self.store_fp4(a, a_scale, row, b, sf, w0, w1)
+            else:
+                for j in cutlass.range_constexpr(k):
+                    row = simt.ld_global_nc_s32(inverse + 4 * (cutlass.Int64(t) * k + j))
+                    if row >= 0:
+                        self.quantize_row(values, row_expert, global_scale, a, a_scale, row, b)
+
+    @cute.jit
+    def quantize_row(self, values: list, row_expert: cutlass.Int64, global_scale: cutlass.Int64, a: cutlass.Int64,
+                     a_scale: cutlass.Int64, row, b):
+        """Block b of `row` quantized with its expert's global scale, and stored."""
+        expert = simt.ld_global_nc_s32(row_expert + 4 * cutlass.Int64(row))
+        sf, w0, w1 = simt.quantize16(values, simt.ld_global_nc_f32(global_scale + 4 * cutlass.Int64(expert)))
+        self.store_fp4(a, a_scale, row, b, sf, w0, w1)
+
+    @cute.jit
+    def store_fp4(self, a: cutlass.Int64, a_scale: cutlass.Int64, row, b, sf, w0, w1):
+        H = self.hidden
+        simt.st_global_v2(a + cutlass.Int64(row) * (H // 2) + 8 * b, w0, w1)
+        simt.st_global_u8(a_scale + cutlass.Int64(row) * (H // 16) + b, sf)
