@@ -17,10 +17,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from . import simt
+import nvfp4_moe.simt as simt
 
-from .quantize import quantize_nvfp4, row_global_scale
-from .routing import Routing
+from nvfp4_moe.quantize import quantize_nvfp4, row_global_scale
+from nvfp4_moe.routing import Routing
 
 ACTIVATIONS = ("silu",)
 

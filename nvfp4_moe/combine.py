@@ -21,9 +21,9 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from . import simt
+import nvfp4_moe.simt as simt
 
-from .routing import Routing
+from nvfp4_moe.routing import Routing
 
 
 def combine(y: torch.Tensor, routing: Routing, topk_weights: Optional[torch.Tensor], out_dtype=torch.bfloat16,

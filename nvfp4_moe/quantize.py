@@ -33,8 +33,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from . import simt
-from .routing import Routing
+import nvfp4_moe.simt as simt
+from nvfp4_moe.routing import Routing
 
 BLOCK = 16  # values per e4m3 scale
 E4M3_MAX = 448.0

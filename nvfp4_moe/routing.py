@@ -30,7 +30,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.utils import SmemAllocator
 
-from . import simt
+import nvfp4_moe.simt as simt
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The workload of tests/test_gpu_sanitizer.py, run under compute-sanitizer in its own process.
 
 `python tests/sanitize_case.py VARIANT [VARIANT ...]`: "moe", "moe16": the MoE entry's builds with NVFP4 or bf16 A
-(`moe_entry`); for each
+(`moe_entry`); "layer", "layer16": the MoE layer's fp4-A paths and its W4A16 path (`moe_layer`); for each
 Hopper variant (or a variant with one config field changed, `SM90_CHANGED_CONFIGS` of tests/conftest.py: "two_launch"), three multi-group inputs
 (the case that first showed a racecheck hazard, one whose rings wrap many times with group changes in every
 CTA, and a MoE-like one of 256 groups, most of them empty), and for the consumer-pairs builds a fourth (several
@@ -64,11 +64,32 @@ def moe_entry(a_dtype=None) -> int:
     return bad
 
 
+def moe_layer(paths: tuple) -> int:
+    """The MoE layer (nvfp4_moe.layer: its four stage kernels and both GEMMs) on tests/test_gpu_layer.py's shapes,
+    T = 33 with a padding token and slot, checked against test_layer's reference bound."""
+    from test_layer import Case, assert_within, run_path
+
+    bad = 0
+    for path in paths:
+        case = Case(33, seed=3, device="cuda", top_k=8, experts=16, hidden=1024, intermediate=512)
+        out, ref = run_path(case, path)
+        try:
+            assert_within(out, ref, path)
+            print(f"layer {path}: ok", flush=True)
+        except AssertionError as error:
+            print(f"layer {path}: WRONG {error}", flush=True)
+            bad += 1
+    return bad
+
+
 def main(variants) -> int:
     bad = 0
     for variant in variants:
         if variant in ("moe", "moe16"):
             bad += moe_entry(None if variant == "moe" else torch.bfloat16)
+            continue
+        if variant in ("layer", "layer16"):
+            bad += moe_layer(("fp4", "fp4 per-expert gs", "fp4 prequantized") if variant == "layer" else ("w4a16",))
             continue
         if variant in SM90_CHANGED_CONFIGS:  # a variant with one config field changed
             submission_sm90.SM90_VARIANT_CONFIGS[variant] = sm90_changed_config(variant)

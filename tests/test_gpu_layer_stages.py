@@ -228,8 +228,15 @@ def test_silu_mul_kernel(inter):
     gate, up = h[:routed].double().chunk(2, dim=-1)
     exact = gate / (1 + torch.exp(-gate)) * up
     got = a16[:routed].view(torch.bfloat16).double()
-    # one bf16 rounding (2^-8 relative) of a value within 2^-20 of the exact one
-    assert ((got - exact).abs() <= exact.abs() * (2.0 ** -8 + 2.0 ** -20) + 1e-38).all()
+    # one bf16 rounding (2^-8 relative) of a value within 2^-20 of the exact one; below 1e-30 absolute: fp32's
+    # exp overflows for gate < -88.7 (SiLU is then -0, as torch's fp32 silu) and ex2.approx flushes subnormals
+    err = (got - exact).abs()
+    bound = exact.abs() * (2.0 ** -8 + 2.0 ** -20) + 1e-30
+    assert (err <= bound).all(), f"largest excess {(err - bound).max().item():g} at {(err - bound).argmax().item()}"
+    # torch's own fp32 statement on the GPU: within one bf16 step of it (exp differs by an ulp or two)
+    torch_fp32 = (torch.nn.functional.silu(gate.float().cuda()) * up.float().cuda()).bfloat16().cpu().double()
+    step = torch_fp32.abs() * 2.0 ** -7 + 1e-30
+    assert ((got - torch_fp32).abs() <= step).all()
     # NVFP4: the reference quantizer of the kernel's own bf16 values, bit for bit (per-expert scale)
     scales = 300.0 * (0.5 + torch.rand(experts, generator=gen))
     a, a_scale = _silu_mul(h.cuda(), offs, row_expert, experts, inter, True, scales.cuda(), True)

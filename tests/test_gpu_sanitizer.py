@@ -43,8 +43,9 @@ def _variants():
     import submission_sm90
 
     # with the configs that change one field of a variant, but not "whole_tiles" (the kernel is sm90_a16_mexact's)
-    # moe, moe16: the MoE entry (moe.py) with NVFP4 A and with bf16 A (W4A16)
-    return [*submission_sm90.SM90_VARIANT_CONFIGS, "two_launch", "moe", "moe16"]
+    # moe, moe16: the MoE entry (moe.py) with NVFP4 A and with bf16 A (W4A16); layer, layer16: the MoE layer's
+    # stage kernels and GEMMs, fp4-A paths and W4A16
+    return [*submission_sm90.SM90_VARIANT_CONFIGS, "two_launch", "moe", "moe16", "layer", "layer16"]
 
 
 # One tool on one variant per test, so that a run can spread them over processes (`pytest -n`, or shards).
