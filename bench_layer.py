@@ -30,7 +30,6 @@ stderr; a markdown table and its notes on stdout.
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 import sys
 import time
@@ -422,16 +421,20 @@ def run_case(case: LayerCase, args, rate: float, humming: bool, rows: list, note
         row.errors["fp4"] = rel_err(columns["fp4"](), reference)
         if "w4a16" in columns:
             row.errors["w4a16"] = rel_err(columns["w4a16"](), reference)
-        with gemms_removed():
-            row.times["non-GEMM"] = bench_moe.median_us(columns["fp4"], args.repeats)
         row.times["host"] = host_us(columns["fp4"])
         try:
             row.times["graph"] = graph_us(columns["fp4"])
         except Exception as err:
             notes.append(f"graph replay on {case.name} T = {tokens}: failed, {one_line(err)}")
+        with gemms_removed():
+            row.times["non-GEMM"] = bench_moe.median_us(columns["fp4"], args.repeats)
+            try:  # replayed, the stages' GPU time without the eight launches' host time
+                row.times["non-GEMM graph"] = graph_us(columns["fp4"])
+            except Exception as err:
+                notes.append(f"non-GEMM graph replay on {case.name} T = {tokens}: failed, {one_line(err)}")
         rows.append(row)
         print(table_lines([row])[2], flush=True)
-    del ckpt, w13_t, w2_t, fp4, w16, peer
+    ckpt = w13_t = w2_t = fp4 = w16 = peer = None  # the case's tensors go before the next case's are made
     torch.cuda.empty_cache()
 
 
@@ -444,6 +447,7 @@ def one_line(err: BaseException, limit: int = 200) -> str:
 # ---------------------------------------------------------------------------------------------------------
 HEADER = ("case", "T", "active experts", "fp4 µs (/floor)", "W4A16 µs (/floor)", "entry + torch glue µs",
           "torch bf16 µs", "humming µs", "floor µs", "non-GEMM µs (share)", "host µs", "graph replay µs",
+          "non-GEMM replay µs (share)",
           "rel. err vs bf16 (fp4; W4A16)")
 
 
@@ -451,11 +455,13 @@ def row_cells(row: LayerRow) -> list:
     t = row.times
     us = lambda name: f"{t[name]:.1f}" if name in t else "-"  # noqa: E731
     against = lambda name: f"{us(name)} ({t[name] / row.floor:.2f}×)" if name in t and row.floor else us(name)  # noqa: E731
-    share = f"{us('non-GEMM')} ({t['non-GEMM'] / t['fp4']:.0%})" if "non-GEMM" in t and t.get("fp4") else us("non-GEMM")
+    share = lambda part, whole: (f"{us(part)} ({t[part] / t[whole]:.0%})" if part in t and t.get(whole)  # noqa: E731
+                                 else us(part))
     errors = "; ".join(f"{row.errors[k]:.3g}" if k in row.errors else "-" for k in ("fp4", "w4a16"))
     return [f"{row.case.model} ({row.case.experts} × top-{row.case.top_k})", str(row.tokens),
             f"{row.active} of {row.case.experts}", against("fp4"), against("w4a16"), us("glue"), us("bf16"),
-            us("humming"), f"{row.floor:.1f}", share, us("host"), us("graph"), errors]
+            us("humming"), f"{row.floor:.1f}", share("non-GEMM", "fp4"), us("host"), us("graph"),
+            share("non-GEMM graph", "graph"), errors]
 
 
 def table_lines(rows: list) -> list:
@@ -467,7 +473,8 @@ def notes_lines(gpu: str, rate: float, repeats: int, humming_note: Optional[str]
     return [
         f"{gpu}; µs: median of {repeats} calls, each alone after an L2 flush, CUDA events; floor: active experts' "
         f"w13 + w2 NVFP4 bytes + x + out (bf16) at {rate / 1e12:.2f} TB/s (a 4 GiB copy, read + write, this run).",
-        "non-GEMM: the fp4 layer with both GEMMs replaced by an empty output; host: median perf_counter of one eager "
+        "non-GEMM: the fp4 layer with both GEMMs replaced by an empty output, eager (share of the eager fp4 layer: "
+        "host-bound at small T) and replayed (share of the replayed layer); host: median perf_counter of one eager "
         f"fp4 call; graph replay: the fp4 layer in a CUDA graph, {GRAPH_REPLAYS} replays back to back, wall per "
         "replay (L2 warm).",
         "W4A16: Hopper only. entry + torch glue: argsort, bincount (a host sync), plain-torch NVFP4, bf16 SiLU x up, "

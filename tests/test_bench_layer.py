@@ -104,13 +104,14 @@ def test_align_block_size_against_loop(block):
 
 def test_table_cells():
     row = bench_layer.LayerRow(bench_layer.LAYER_CASES[2], 8, 6, 100.0,
-                               times={"fp4": 125.0, "glue": 300.0, "bf16": 900.0, "non-GEMM": 25.0, "host": 80.0},
+                               times={"fp4": 125.0, "glue": 300.0, "bf16": 900.0, "non-GEMM": 25.0, "host": 80.0,
+                                      "graph": 110.0, "non-GEMM graph": 11.0},
                                errors={"fp4": 0.1234})
     lines = bench_layer.table_lines([row])
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert len(cells) == len(bench_layer.HEADER) == lines[1].count("---|")
     assert cells[:5] == ["Mixtral-8x7B (8 × top-2)", "8", "6 of 8", "125.0 (1.25×)", "-"]
-    assert cells[9] == "25.0 (20%)" and cells[-1] == "0.123; -"
+    assert cells[9] == "25.0 (20%)" and cells[11:] == ["110.0", "11.0 (10%)", "0.123; -"]
 
 
 def test_needs_a_gpu(capsys, monkeypatch):
