@@ -124,6 +124,7 @@ def _grouped_operands(pre):
 # ---------------------------------------------------------------------------------------------------------
 HUMMING_TOL = dict(rtol=1e-3, atol=1e-3)  # the leaderboard's
 HUMMING_GROUPED = json.dumps({"gemm_type": "grouped_contiguous"})  # A's rows of all groups back to back
+HUMMING_INDEXED = json.dumps({"gemm_type": "indexed"})  # vLLM's form: A's rows through sorted pair ids
 
 try:  # humming imports Triton itself, so it is here whenever the humming column is
     import triton
@@ -224,10 +225,68 @@ def humming_weight(data) -> dict:
     return humming_weight_of_codes(weight, scales.view(torch.float8_e4m3fn))
 
 
-def humming_weight_of_codes(codes: torch.Tensor, scales: torch.Tensor) -> dict:
-    """`humming_weight`'s dict from the codes uint8 [g, n, k/2] and the e4m3 scales [g, n, k/16] of every group."""
-    return {"weight": codes.view(torch.int32), "weight_scale": scales,
-            "weight_scale_2": torch.ones(codes.shape[0], dtype=torch.float32, device=codes.device)}
+def humming_weight_of_codes(codes: torch.Tensor, scales: torch.Tensor, scale_2: Optional[torch.Tensor] = None) -> dict:
+    """`humming_weight`'s dict from the codes uint8 [g, n, k/2] and the e4m3 scales [g, n, k/16] of every group, and
+    their fp32 global scales [g] (1 where None)."""
+    if scale_2 is None:
+        scale_2 = torch.ones(codes.shape[0], dtype=torch.float32, device=codes.device)
+    return {"weight": codes.view(torch.int32), "weight_scale": scales, "weight_scale_2": scale_2}
+
+
+def align_block_size(flat_ids: torch.Tensor, num_experts: int, block: int) -> tuple:
+    """vLLM's moe_align_block_size in torch, no host read: (sorted pair ids int32 [capacity], each expert's padded
+    to a multiple of `block` with the sentinel T k; expert id int32 per block; padded count int32 [1]). capacity =
+    T k + E (block - 1), rounded up to a block: every routing fits."""
+    pairs = flat_ids.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+    padded = (counts + block - 1) // block * block
+    padded_end = padded.cumsum(0)
+    key, order = torch.sort(flat_ids, stable=True)
+    rank_in_expert = torch.arange(pairs, device=flat_ids.device) - (counts.cumsum(0) - counts)[key]
+    capacity = -(-(pairs + num_experts * (block - 1)) // block) * block
+    sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=flat_ids.device)
+    sorted_ids.scatter_(0, (padded_end - padded)[key] + rank_in_expert, order.to(torch.int32))
+    starts = torch.arange(0, capacity, block, device=flat_ids.device)
+    expert_ids = torch.searchsorted(padded_end, starts, right=True).clamp(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, padded_end[-1:].to(torch.int32)
+
+
+def humming_indexed_gemm(n: int, k: int, experts: int, rows: int, codes: torch.Tensor, scales: torch.Tensor,
+                         scale_2: Optional[torch.Tensor] = None) -> tuple:
+    """humming's W4A16 indexed MoE GEMM as vLLM calls it, on NVFP4 weights (codes uint8 [E, n, k/2], e4m3 scales
+    [E, n, k/16], global scales [E] or 1) through its transform here (not timed), its tile chosen by its heuristic
+    for `rows` routed pairs: (call, block). call(a fp16 [T, k], out fp16 [T top_k, n], sorted_ids, expert_ids,
+    padded, top_k) -> out, row p of out being pair p (token p // top_k), with `align_block_size(flat_ids, E,
+    block)`'s three tensors. Compiles humming's kernel (minutes the first time); raises where humming cannot."""
+    from humming import dtypes, ops
+    from humming.kernel.humming import HummingKernel
+    from humming.schema import HummingWeightSchema
+    from humming.transform import prepare_layer_config, transform_humming_tensors
+    from humming.tune import get_heuristics_config
+
+    device = torch.cuda.current_device()
+    schema = HummingWeightSchema(b_dtype=dtypes.float4e2m1, bs_dtype=dtypes.float8e4m3, weight_scale_group_size=16,
+                                 weight_scale_type="group", weight_scale_2_type="tensor")
+
+    def build():
+        config = prepare_layer_config(shape_n=n, shape_k=k, weight_schema=schema, num_experts=experts,
+                                      torch_dtype=torch.float16, device=device)
+        tuning = dict(get_heuristics_config(config, shape_m=rows, gemm_type="indexed", device=device))
+        kernel = HummingKernel.prepare_kernels(config.to_str(), HUMMING_INDEXED, json.dumps(tuning), device=device)
+        w = transform_humming_tensors(config, humming_weight_of_codes(codes, scales, scale_2))
+        return kernel, w, int(tuning["block_shape"][0])
+
+    kernel, w, block = _with_compiler_fallback(build)
+    locks = torch.zeros(1 << 16, dtype=torch.int32, device=codes.device)  # stream-K counters, if its tile uses any
+
+    def call(a, out, sorted_ids, expert_ids, padded, top_k):
+        ops.launch_kernel(configs=kernel, inputs=a, weight=w["weight"], weight_scale=w["weight_scale"],
+                          weight_scale_2=w["weight_scale_2"], outputs=out, sorted_ids=sorted_ids,
+                          expert_ids=expert_ids, num_tokens_padded=padded, locks=locks, top_k=top_k)
+        return out
+
+    return call, block
 
 
 def humming_launch(kernel, w: dict, a: torch.Tensor, out: torch.Tensor, layout: torch.Tensor, locks: torch.Tensor):

@@ -29,7 +29,6 @@ stderr; a markdown table and its notes on stdout.
 """
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -201,61 +200,18 @@ def bf16_layer(x, topk_ids, topk_weights, w13_t, w2_t) -> torch.Tensor:
     return torch.zeros_like(x).index_add_(0, token, y)
 
 
-def align_block_size(flat_ids: torch.Tensor, num_experts: int, block: int) -> tuple:
-    """vLLM's moe_align_block_size in torch, no host read: (sorted pair ids int32 [capacity], each expert's padded
-    to a multiple of `block` with the sentinel T k; expert id int32 per block; padded count int32 [1]). capacity =
-    T k + E (block - 1), rounded up to a block: every routing fits."""
-    pairs = flat_ids.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-    padded = (counts + block - 1) // block * block
-    padded_end = padded.cumsum(0)
-    key, order = torch.sort(flat_ids, stable=True)
-    rank_in_expert = torch.arange(pairs, device=flat_ids.device) - (counts.cumsum(0) - counts)[key]
-    capacity = -(-(pairs + num_experts * (block - 1)) // block) * block
-    sorted_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=flat_ids.device)
-    sorted_ids.scatter_(0, (padded_end - padded)[key] + rank_in_expert, order.to(torch.int32))
-    starts = torch.arange(0, capacity, block, device=flat_ids.device)
-    expert_ids = torch.searchsorted(padded_end, starts, right=True).clamp(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, expert_ids, padded_end[-1:].to(torch.int32)
-
-
 def humming_layer(case: LayerCase, checkpoint: dict, tokens: int) -> Callable:
     """humming's W4A16 layer as vLLM runs it (module docstring): call(x16 [T, H] fp16, topk_ids, topk_weights) ->
     [T, H] fp16. Compiles humming's kernels (minutes the first time); raises where humming cannot."""
     import bench
-    from humming import dtypes, ops
-    from humming.kernel.humming import HummingKernel
-    from humming.schema import HummingWeightSchema
-    from humming.transform import prepare_layer_config, transform_humming_tensors
-    from humming.tune import get_heuristics_config
 
-    device = torch.cuda.current_device()
-    schema = HummingWeightSchema(b_dtype=dtypes.float4e2m1, bs_dtype=dtypes.float8e4m3, weight_scale_group_size=16,
-                                 weight_scale_type="group", weight_scale_2_type="tensor")
-    indexed = json.dumps({"gemm_type": "indexed"})
-    locks = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
-    gemms = []
-    for name, n, k, rows in (("w13", 2 * case.intermediate, case.hidden, tokens * case.top_k),
-                             ("w2", case.hidden, case.intermediate, tokens * case.top_k)):
-        def build():
-            config = prepare_layer_config(shape_n=n, shape_k=k, weight_schema=schema, num_experts=case.experts,
-                                          torch_dtype=torch.float16, device=device)
-            tuning = dict(get_heuristics_config(config, shape_m=rows, gemm_type="indexed", device=device))
-            kernel = HummingKernel.prepare_kernels(config.to_str(), indexed, json.dumps(tuning), device=device)
-            w = transform_humming_tensors(config, {"weight": checkpoint[name].view(torch.int32),
-                                                   "weight_scale": checkpoint[name + "_scale"],
-                                                   "weight_scale_2": checkpoint[name + "_scale_2"]})
-            return kernel, w, int(tuning["block_shape"][0])
-        gemms.append(bench._with_compiler_fallback(build))
+    gemms = [bench.humming_indexed_gemm(n, k, case.experts, tokens * case.top_k, checkpoint[name],
+                                        checkpoint[name + "_scale"], checkpoint[name + "_scale_2"])
+             for name, n, k in (("w13", 2 * case.intermediate, case.hidden), ("w2", case.hidden, case.intermediate))]
 
     def gemm(which, a, out, flat_ids, top_k):
-        kernel, w, block = gemms[which]
-        sorted_ids, expert_ids, padded = align_block_size(flat_ids, case.experts, block)
-        ops.launch_kernel(configs=kernel, inputs=a, weight=w["weight"], weight_scale=w["weight_scale"],
-                          weight_scale_2=w["weight_scale_2"], outputs=out, sorted_ids=sorted_ids,
-                          expert_ids=expert_ids, num_tokens_padded=padded, locks=locks, top_k=top_k)
-        return out
+        launch, block = gemms[which]
+        return launch(a, out, *bench.align_block_size(flat_ids, case.experts, block), top_k)
 
     def call(x16, topk_ids, topk_weights):
         flat = topk_ids.flatten().long()

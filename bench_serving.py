@@ -16,9 +16,11 @@ Rows per case (each mode's loop of `--serving-steps` steps after 3 warm-up steps
   L2 flushed (256 MiB written) and the GPU held busy ~1 ms before it (so the step is queued before it runs):
   kernel µs and routing µs (A and its scales included), CUDA events around each part, medians. The peers in
   the same two ways, on the same kind of routing: torch._grouped_mm on bf16 weights dequantized beforehand (not
-  timed) with bf16 activations, and humming's W4A16 grouped GEMM (fp16 activations, NVFP4 weights through
-  humming's own transform, not timed) where humming imports; a peer's wall µs includes its own routing and
-  activations.
+  timed) with bf16 activations, and humming's W4A16 GEMM (fp16 activations, NVFP4 weights through humming's own
+  transform, not timed) where humming imports, in both its forms: grouped-contiguous (rows gathered by expert)
+  and indexed as vLLM runs it (`humming_indexed_peer`: sorted pair ids from moe_align_block_size, built in torch
+  and counted as routing); a peer's wall µs includes its own routing and activations. humming's outputs are
+  checked as ours are (its own `--serving-check-steps` draws), the worst ratio in its own column.
 - graph, routing + GEMM: one step captured once in a CUDA graph (on a side queue, after warm-up there),
   replayed `steps` times; the random draws are in the graph, so every replay routes anew. Host µs: per replay.
 - graph, GEMM alone: a graph of the GEMM on one fixed routing, replayed.
@@ -131,14 +133,17 @@ class Router:
         self.pool = scale_pool(bench_moe.A_SCALE_EXP_MAX, device)  # made here: a copy from the host would wait
         self.case, self.device = case, device
 
-    def route(self) -> tuple:
-        """(token of each routed row, int64 [T top-k], sorted by expert; offs int32 [E]). Gumbel top-k: top-k
-        distinct experts per token, drawn without replacement with probability proportional to rank^-s."""
+    def pick(self) -> torch.Tensor:
+        """Each routed pair's expert, int64 [T top-k] in pair order (pair p is token p // top-k). Gumbel top-k:
+        top-k distinct experts per token, drawn without replacement with probability proportional to rank^-s."""
         c = self.case
         gumbel = -(-torch.rand((c.tokens, c.experts), device=self.device).log()).log()
-        picked = (self.log_weight + gumbel).topk(c.top_k, dim=1).indices.flatten()
-        ids, order = torch.sort(picked, stable=True)
-        return order // c.top_k, offsets(ids, self.experts)
+        return (self.log_weight + gumbel).topk(c.top_k, dim=1).indices.flatten()
+
+    def route(self) -> tuple:
+        """(token of each routed row, int64 [T top-k], sorted by expert; offs int32 [E])."""
+        ids, order = torch.sort(self.pick(), stable=True)
+        return order // self.case.top_k, offsets(ids, self.experts)
 
     def nvfp4(self) -> tuple:
         """(A uint8 [T top-k, K/2], its scales e4m3 [T top-k, K/16], offs): each token's new NVFP4 activations,
@@ -153,6 +158,18 @@ class Router:
         """(A `dtype` [T top-k, K] random normal, offs), for the peers."""
         token, offs = self.route()
         return torch.randn((self.case.tokens, self.case.k), dtype=dtype, device=self.device)[token], offs
+
+    def indexed(self, dtype) -> tuple:
+        """(A `dtype` random normal, each pair's expert int64 [T top-k] in pair order), for the indexed peer: A is
+        [T, K] (a token's row serves its top-k pairs) for a gate/up case, [T top-k, K] (a row per pair, as the
+        second GEMM of a layer reads it) for a down case (`pair_rows`)."""
+        rows = self.case.tokens * (self.case.top_k if pair_rows(self.case) else 1)
+        return torch.randn((rows, self.case.k), dtype=dtype, device=self.device), self.pick()
+
+
+def pair_rows(case: MoeCase) -> bool:
+    """Whether the case is a layer's second GEMM, whose A holds one row per routed pair (`Router.indexed`)."""
+    return "down" in case.layer
 
 
 def worst_error_ratio(a, a_scale, b, b_scale, offs, out) -> float:
@@ -272,6 +289,7 @@ class Row:
     kernel: Optional[float] = None
     routing: Optional[float] = None
     peers: dict = dataclasses.field(default_factory=dict)  # name -> (wall µs per step, kernel µs)
+    peer_worst: dict = dataclasses.field(default_factory=dict)  # a checked peer's name -> worst err/tol
     floor: Optional[float] = None  # weight floor µs
     worst: Optional[float] = None
     worst16: Optional[float] = None  # the W4A16 steps' check
@@ -291,8 +309,9 @@ def humming_gemm(bench, n: int, k: int, ms: list, codes, scales):
 
 
 def humming_peer(bench, case: MoeCase, b, b_scale, router: Router) -> tuple:
-    """(make, call) of humming's W4A16 grouped GEMM for the case (`humming_gemm`); make gives fp16 activations and
-    humming's expert layout."""
+    """(make, call, check) of humming's W4A16 grouped GEMM for the case (`humming_gemm`); make gives fp16
+    activations and humming's expert layout; check(inputs) runs it and gives the worst err/tol of its output
+    against the float64 decode (`worst_error_ratio`)."""
     rows, device = case.tokens * case.top_k, b.device
     gemm = humming_gemm(bench, case.n, case.k, [rows] + [0] * (case.experts - 1), b, b_scale)
     zero = torch.zeros(1, dtype=torch.int32, device=device)
@@ -302,7 +321,38 @@ def humming_peer(bench, case: MoeCase, b, b_scale, router: Router) -> tuple:
         a, offs = router.dense(torch.float16)
         return a, torch.cat([zero, offs])
 
-    return make, lambda a, layout: gemm(a, out, layout)
+    def check(a, layout):
+        out.fill_(math.nan)
+        gemm(a, out, layout)
+        return worst_error_ratio(a, None, b, b_scale, layout[1:], out)
+
+    return make, lambda a, layout: gemm(a, out, layout), check
+
+
+def humming_indexed_peer(bench, case: MoeCase, b, b_scale, router: Router) -> tuple:
+    """(make, call, check) of humming's W4A16 indexed GEMM as vLLM runs it (`bench.humming_indexed_gemm`): make
+    draws fp16 activations and a routing (`Router.indexed`) and aligns it (`bench.align_block_size`, in torch
+    here, on the GPU without a host read; vLLM's moe_align_block_size is a CUDA op, so it counts as routing, not
+    as the GEMM's time); out row p is pair p. check as `humming_peer`'s, the output put in expert order first."""
+    rows, top_k = case.tokens * case.top_k, 1 if pair_rows(case) else case.top_k
+    gemm, block = bench.humming_indexed_gemm(case.n, case.k, case.experts, rows, b, b_scale)
+    out = torch.empty((rows, case.n), dtype=torch.float16, device=b.device)
+    experts = torch.arange(case.experts, device=b.device)
+
+    def make():
+        a, flat = router.indexed(torch.float16)
+        return (a, flat, *bench.align_block_size(flat, case.experts, block))
+
+    def call(a, flat, sorted_ids, expert_ids, padded):
+        gemm(a, out, sorted_ids, expert_ids, padded, top_k)
+
+    def check(a, flat, *aligned):
+        out.fill_(math.nan)
+        call(a, flat, *aligned)
+        ids, order = torch.sort(flat, stable=True)
+        return worst_error_ratio(a[order // top_k], None, b, b_scale, offsets(ids, experts), out[order])
+
+    return make, call, check
 
 
 def run_case(case: MoeCase, steps: int, check_steps: int, rate: float, bench, humming: bool, rows: list,
@@ -349,15 +399,18 @@ def run_case(case: MoeCase, steps: int, check_steps: int, rate: float, bench, hu
         rows.append(Row(case, "graph", error=one_line(err, 120)))
     peers = [("w4a16", lambda: (lambda: router.dense(torch.bfloat16), gemm16)),
              ("grouped_mm", lambda: grouped_mm_peer(case, b, b_scale, router, device))]
-    peers += [("humming", lambda: humming_peer(bench, case, b, b_scale, router))] if humming else []
+    peers += [("humming", lambda: humming_peer(bench, case, b, b_scale, router)),
+              ("humming indexed", lambda: humming_indexed_peer(bench, case, b, b_scale, router))] if humming else []
     for name, build in peers:
         say(f"{name}: its weights made (not timed; humming compiles its kernels on a first run: minutes), eager steps")
         try:
-            make, call = build()
+            make, call, *check = build()
+            if check and check_steps:  # a peer's own accuracy, on its own draws
+                eager.peer_worst[name] = max(check[0](*make()) for _ in range(check_steps))
             eager.peers[name] = (time_steps(make, call, steps)[0], time_parts(make, call, steps)[1])
         except Exception as err:  # a peer that cannot run costs its cells, not the run
             notes.append(f"{name} on {case.name}: failed, {one_line(err)}")
-        make = call = None  # their weights go before the next peer's are made
+        make = call = check = None  # their weights go before the next peer's are made
 
 
 def graph_modes(case: MoeCase, router: Router, gemm: Callable, steps: int, floor: float, check: tuple, rows: list,
@@ -403,26 +456,30 @@ def one_line(err: BaseException, limit: int = 200) -> str:
 # The table
 # ---------------------------------------------------------------------------------------------------------
 HEADER = ("case", "T × top-k", "mode", "wall µs/step", "host µs/call", "kernel µs", "routing µs",
-          "W4A16 wall µs/step", "W4A16 kernel µs (/floor)", "grouped_mm wall µs/step", "grouped_mm kernel µs", "humming wall µs/step", "humming kernel µs",
-          "weight floor µs (time/floor)", "W4A16 check err/tol", "check err/tol")
+          "W4A16 wall µs/step", "W4A16 kernel µs (/floor)", "grouped_mm wall µs/step", "grouped_mm kernel µs",
+          "humming wall µs/step", "humming kernel µs", "humming indexed wall µs/step", "humming indexed kernel µs",
+          "weight floor µs (time/floor)", "humming check err/tol (grouped; indexed)", "W4A16 check err/tol",
+          "check err/tol")
 
 
 def row_cells(row: Row) -> list:
     us = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     cells = [f"{row.case.layer} ({row.case.name})", f"{row.case.tokens} × {row.case.top_k}", row.mode,
              us(row.wall), us(row.host), us(row.kernel), us(row.routing)]
-    for peer in ("w4a16", "grouped_mm", "humming"):
+    for peer in ("w4a16", "grouped_mm", "humming", "humming indexed"):
         wall, kernel = row.peers.get(peer, (None, None))
         cells += [us(wall), us(kernel) + (f" ({kernel / row.floor:.2f}×)" if peer == "w4a16" and kernel and row.floor
                                           else "")]
     against = row.kernel if row.kernel is not None else row.wall
     cells.append("-" if row.floor is None else f"{row.floor:.1f}"
                  + ("" if against is None else f" ({against / row.floor:.2f}×)"))
+    ratio = lambda worst: "-" if worst is None else f"{worst:.3f}" + ("" if worst <= 1 else " FAIL")  # noqa: E731
+    cells.append("; ".join(ratio(row.peer_worst.get(peer)) for peer in ("humming", "humming indexed"))
+                 if row.peer_worst else "-")
     if row.error:
         cells += ["-", f"ERROR: {row.error}"]
     else:
-        cells += ["-" if worst is None else f"{worst:.3f}" + ("" if worst <= 1 else " FAIL")
-                  for worst in (row.worst16, row.worst)]
+        cells += [ratio(worst) for worst in (row.worst16, row.worst)]
     return cells
 
 
@@ -449,7 +506,10 @@ def notes_lines(gpu: str, rate: float, steps: int, check_steps: int, humming_not
         "NaN-poisoned, every routed row against a float64 decode: |out - exact| <= 1e-2 + 1e-2 |exact| + 2^-24 sqrt(K) "
         "sum|a b|; above 1 fails.",
     ] + ([f"{humming_note}: the humming cells stay empty."] if humming_note else
-         ["humming: W4A16 (fp16 A x NVFP4 B), its output not checked here (bench.py's default run checks it)."])
+         ["humming: W4A16 (fp16 A x NVFP4 B, fp16 out) in its two forms: grouped-contiguous (rows gathered by expert, "
+          "its expert layout) and indexed as vLLM runs it (tokens' rows through moe_align_block_size's sorted pair "
+          "ids, built in torch on the GPU and counted as routing); its check: the same steps and tolerance as ours, "
+          "a FAIL marks its output past them, not a failed run."])
 
 
 def schedule_lines(cases: list, calls: int = 10) -> list:

@@ -4,6 +4,7 @@ definition), the table; and that it needs a GPU (one line, exit 2) before touchi
 import pytest
 import torch
 
+import bench
 import bench_layer
 
 quantize = pytest.importorskip("nvfp4_moe.quantize")
@@ -94,7 +95,7 @@ def test_align_block_size_against_loop(block):
     gen = torch.Generator().manual_seed(block)
     flat = torch.randint(0, 12, (37 * 4,), generator=gen)
     flat[flat == 5] = 4  # an empty expert
-    sorted_ids, expert_ids, padded = bench_layer.align_block_size(flat, 12, block)
+    sorted_ids, expert_ids, padded = bench.align_block_size(flat, 12, block)
     want_ids, want_experts = loop_alignment(flat.tolist(), 12, block)
     assert int(padded) == len(want_ids) and padded.dtype == torch.int32
     assert sorted_ids[:len(want_ids)].tolist() == want_ids and expert_ids[:len(want_experts)].tolist() == want_experts

@@ -90,6 +90,45 @@ def test_routing_gives_valid_offs_and_rows_gathered_by_expert(case):
     assert 0 < bs.active_experts(offs) <= case.experts
 
 
+@pytest.mark.parametrize("down", [False, True], ids=["gate-up", "down"])
+def test_indexed_draws_and_humming_indexed_check(down):
+    """Router.indexed's shapes, and humming_indexed_peer's check on an indexed GEMM stood in for by a float64 one
+    (humming's semantics: block i of the aligned ids is expert_ids[i]'s, pair p < T top-k reads A row p // top_k and
+    writes out row p): right output passes, a swapped pair fails."""
+    import dataclasses
+
+    case = dataclasses.replace(TINY, name="tiny-down", layer="Tiny down") if down else TINY
+    torch.manual_seed(6)
+    router = bs.Router(case, torch.device("cpu"))
+    a, flat = router.indexed(torch.float16)
+    pairs = case.tokens * case.top_k
+    assert a.shape == ((pairs if down else case.tokens), case.k) and flat.shape == (pairs,) and flat.dtype == torch.int64
+    assert all(len(set(row)) == case.top_k for row in flat.view(case.tokens, case.top_k).tolist())
+    b, b_scale = bs.make_weights(case, torch.device("cpu"))
+    swap = []
+
+    def indexed_gemm(n, k, experts, rows, codes, scales):
+        block = 4
+
+        def call(a, out, sorted_ids, expert_ids, padded, top_k):
+            ids = sorted_ids.tolist()
+            for i in range(int(padded[0]) // block):
+                w = dequant_f64(codes[int(expert_ids[i])], scales[int(expert_ids[i])])
+                for p in ids[i * block:(i + 1) * block]:
+                    if p < rows:
+                        out[p] = (a[p // top_k].double() @ w.T).to(out.dtype)
+            if swap:
+                out[[0, 1]] = out[[1, 0]]
+        return call, block
+
+    stub = types.SimpleNamespace(humming_indexed_gemm=indexed_gemm, align_block_size=bench.align_block_size)
+    make, call, check = bs.humming_indexed_peer(stub, case, b, b_scale, router)
+    inputs = make()
+    assert check(*inputs) <= 1
+    swap.append(True)
+    assert check(*inputs) > 1
+
+
 def test_offsets_are_the_cumulative_bincount():
     torch.manual_seed(4)
     for experts, rows in ((8, 12), (256, 512), (32, 32768)):
@@ -161,12 +200,16 @@ def test_table_cells():
     assert head.count("|") == rule.count("|") == line.count("|") == len(bs.HEADER) + 1
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells == ["Tiny gate/up (tiny)", "6 × 2", "eager", "20.0", "3.2", "10.0", "5.0", "-", "-", "50.0", "40.0",
-                     "-", "-", "4.0 (2.50×)", "-", "0.500"]
+                     "-", "-", "-", "-", "4.0 (2.50×)", "-", "-", "0.500"]
+    peers = bs.Row(TINY, "eager", kernel=10.0, floor=4.0, worst=0.5, peers={"humming indexed": (30.0, 9.0)},
+                   peer_worst={"humming": 3.5, "humming indexed": 0.25})
+    cells = [c.strip() for c in bs.table_lines([peers])[2].strip("|").split("|")]
+    assert cells[11:17] == ["-", "-", "30.0", "9.0", "4.0 (2.50×)", "3.500 FAIL; 0.250"]
     w4a16 = bs.Row(TINY, "eager", kernel=10.0, floor=4.0, worst=0.5, worst16=2.0, peers={"w4a16": (12.0, 6.0)})
     cells = [c.strip() for c in bs.table_lines([w4a16])[2].strip("|").split("|")]
     assert cells[7:9] == ["12.0", "6.0 (1.50×)"] and cells[-2:] == ["2.000 FAIL", "0.500"]
     graph = bs.Row(TINY, "graph: GEMM alone", wall=8.0, host=1.0, floor=4.0)
-    assert [c.strip() for c in bs.table_lines([graph])[2].strip("|").split("|")][-3:] == ["4.0 (2.00×)", "-", "-"]
+    assert [c.strip() for c in bs.table_lines([graph])[2].strip("|").split("|")][-4:] == ["4.0 (2.00×)", "-", "-", "-"]
     failed = bs.Row(TINY, "eager", worst=1.5)
     assert bs.table_lines([failed])[2].endswith(" 1.500 FAIL |")
 
