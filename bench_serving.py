@@ -52,10 +52,12 @@ from bench_moe import MoeCase
 from utils import clear_l2_cache
 
 _MOE = {case.name: case for case in bench_moe.MOE_CASES}
-# bench_moe's layers (shapes, Zipf exponents, seeds), and DeepSeek-V3 down at 64 tokens
+# bench_moe's layers (shapes, Zipf exponents, seeds), DeepSeek-V3 down at 64 tokens, and Mixtral-8x7B's gate/up
+# (8 experts of N 2 x 14336, top-2: few big experts)
 SERVING_CASES = (_MOE["dsv3-up-64"], _MOE["dsv3-up-256"],
                  MoeCase("dsv3-down-64", "DeepSeek-V3 down", 7168, 2048, 256, 64), _MOE["qwen3-up-512"],
-                 _MOE["qwen3-down-512"], _MOE["prefill-dsv3-up-4096"])
+                 _MOE["qwen3-down-512"], MoeCase("mixtral-up-64", "Mixtral-8x7B gate/up", 28672, 4096, 8, 64,
+                                                 top_k=2, zipf=0.5), _MOE["prefill-dsv3-up-4096"])
 WARMUP = 3
 ACTIVE_DRAWS = 8  # routings drawn to estimate the experts that receive tokens
 DRAM_PROBE_BYTES = 4 << 30

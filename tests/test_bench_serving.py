@@ -56,8 +56,9 @@ def test_cases_are_the_layers_asked_for_and_reuse_bench_moes():
     assert [(c.name, c.n, c.k, c.experts, c.tokens, c.top_k) for c in cases] == [
         ("dsv3-up-64", 4096, 7168, 256, 64, 8), ("dsv3-up-256", 4096, 7168, 256, 256, 8),
         ("dsv3-down-64", 7168, 2048, 256, 64, 8), ("qwen3-up-512", 1536, 2048, 128, 512, 8),
-        ("qwen3-down-512", 2048, 768, 128, 512, 8), ("prefill-dsv3-up-4096", 4096, 7168, 32, 4096, 8)]
-    assert sum(c in bench_moe.MOE_CASES for c in cases) == 5  # all but DeepSeek-V3 down at 64 tokens
+        ("qwen3-down-512", 2048, 768, 128, 512, 8), ("mixtral-up-64", 28672, 4096, 8, 64, 2),
+        ("prefill-dsv3-up-4096", 4096, 7168, 32, 4096, 8)]
+    assert sum(c in bench_moe.MOE_CASES for c in cases) == 5  # all but DeepSeek-V3 down at 64 tokens, Mixtral
     assert [c.name for c in bs.select_cases(" qwen3-down-512,dsv3-up-64")] == ["qwen3-down-512", "dsv3-up-64"]
     import nvfp4_moe.gemm as moe
 
