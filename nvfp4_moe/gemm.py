@@ -837,6 +837,10 @@ _arenas: dict = {}  # (device, queue) -> _Arena
 _capture_arenas: dict = {}  # (device, capture id) -> (_Arena, queue): one per CUDA-graph capture
 _signatures: dict = {}  # `_signature` -> its _Plan, or None for an empty T
 _LOCK = threading.Lock()  # a call's launches and its arena: one caller at a time (the launchers' argument cells)
+# the compiles of first calls: one at a time (threads first calling new shapes at once; the DSL does not say its
+# compiler is thread-safe), re-entrant (the layer's plan compiles its stage kernels, then the entry's GEMMs); never
+# taken while _LOCK is held
+_COMPILE_LOCK = threading.RLock()
 MAX_SIGNATURES = 1024  # a serving engine has a few shapes per layer kind and batch size
 
 
@@ -953,7 +957,7 @@ def plan(device: torch.device, num_tokens: int, num_experts: int, n: int, k: int
          zero_tail: bool = True) -> _Plan:
     """The kernels and buffer layout of a checked call of T > 0 rows (the entry's, and each of the layer's
     GEMMs: `launch`)."""
-    with torch.cuda.device(device), _relaxed_capture():  # a first call inside a capture compiles here
+    with _COMPILE_LOCK, torch.cuda.device(device), _relaxed_capture():  # a first call inside a capture compiles here
         kernels, build = _kernels_for(device, num_tokens, num_experts, n, k, out_dtype, a_input, zero_tail)
     widths = moe_builds()[build].widths if kernels.hopper else ()
     return _Plan(kernels, *buffer_bytes(kernels.hopper, num_tokens, num_experts, n, k, a_input, widths, kernels.grid))

@@ -270,11 +270,15 @@ def _launcher(kernel, types: str, device_index: int) -> gemm.CellLauncher:
     key = (type(kernel).__name__, tuple(sorted(vars(kernel).items())), device_index)
     launcher = _stage_launchers.get(key)
     if launcher is None:
-        dsl_args = tuple(cutlass.Int64(0) if c == "q" else cutlass.Int32(1) for c in types) + (cuda.CUstream(0),)
-        with torch.cuda.device(device_index), gemm._relaxed_capture():
-            compiled = cute.compile(kernel, *dsl_args)
-            cells = tuple(ctypes.c_int64 if c == "q" else ctypes.c_int32 for c in types) + (ctypes.c_void_p,)
-            launcher = _stage_launchers[key] = gemm.CellLauncher(compiled, dsl_args, cells, device_index)
+        with gemm._COMPILE_LOCK:
+            launcher = _stage_launchers.get(key)  # another thread's, compiled while this one waited
+            if launcher is None:
+                dsl_args = (tuple(cutlass.Int64(0) if c == "q" else cutlass.Int32(1) for c in types)
+                            + (cuda.CUstream(0),))
+                with torch.cuda.device(device_index), gemm._relaxed_capture():
+                    compiled = cute.compile(kernel, *dsl_args)
+                    cells = tuple(ctypes.c_int64 if c == "q" else ctypes.c_int32 for c in types) + (ctypes.c_void_p,)
+                    launcher = _stage_launchers[key] = gemm.CellLauncher(compiled, dsl_args, cells, device_index)
     return launcher
 
 
