@@ -5,13 +5,11 @@ queue and on four queues, and the memory held after rising and falling T. The fp
 tests/test_gpu_layer.py's shapes (E 16, H 1024, I 512, top-8; padding tokens and slots). Each result is compared bit
 for bit with the same call made alone (eager, on the default queue, synchronised), which tests/test_gpu_layer.py
 checks against the float64 reference. Timings print with -s."""
-import threading
-import time
-
 import pytest
 import torch
 
 from conftest import cuda_capability, have_dsl
+from engine_patterns import beside_a_spin, capture, in_threads, replay_at_once
 
 CAPABILITY = cuda_capability()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (have_dsl() and CAPABILITY == (9, 0)),
@@ -56,37 +54,13 @@ class Step:
         return ref
 
 
-def _median_ms(fn, reps: int = 5) -> float:
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 @pytest.mark.parametrize("path", PATHS)
 def test_layer_completes_beside_a_kernel_spinning_on_another_queue(path):
     """A one-block kernel spins about 1 s on a side queue; the layer's eight launches on the main queue must not wait
     for it: done within 2x their time alone plus a millisecond, and exactly as alone."""
     step = Step(128, seed=3, path=path)
     ref = step.expected()
-    alone = _median_ms(step.run)
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(2_000_000_000)  # about 1 s at Hopper's 1.98 GHz
-    time.sleep(0.02)  # the spin is resident
-    step.out.fill_(float("nan"))
-    done = torch.cuda.Event()
-    start = time.perf_counter()
-    step.run()
-    done.record()
-    done.synchronize()
-    beside = (time.perf_counter() - start) * 1e3
-    spin_running = not side.query()
-    side.synchronize()
+    alone, beside, spin_running = beside_a_spin(step.run)
     print(f"\n{path}: alone {alone:.3f} ms, beside the spin {beside:.3f} ms, spin still running: {spin_running}")
     assert spin_running, "the spin ended first: the test shows nothing"
     assert beside <= 2 * alone + 1.0, f"{beside:.1f} ms beside a spin on another queue, {alone:.3f} ms alone"
@@ -101,24 +75,9 @@ def test_layer_graphs_replayed_at_once_stay_exact(path, graphs):
     its buffers)."""
     steps = [Step(96, seed=20 + i, path=path) for i in range(graphs)]
     refs = [step.expected() for step in steps]
-    captured = []
-    for step in steps:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step.run()
-        captured.append(graph)
-    queues = [torch.cuda.Stream() for _ in range(graphs)]
-    torch.cuda.synchronize()
-    wrong = 0
-    for _ in range(200):
-        for step in steps:
-            step.out.fill_(float("nan"))
-        torch.cuda.synchronize()
-        for graph, queue in zip(captured, queues):
-            with torch.cuda.stream(queue):
-                graph.replay()
-        torch.cuda.synchronize()
-        wrong += sum(int((step.out != ref).sum()) for step, ref in zip(steps, refs))
+    captured = [capture(step.run) for step in steps]
+    wrong = replay_at_once(captured, lambda: [step.out.fill_(float("nan")) for step in steps],
+                           lambda: sum(int((step.out != ref).sum()) for step, ref in zip(steps, refs)), 200)
     assert wrong == 0, f"{wrong} wrong elements over 200 rounds of {graphs} graphs replayed at once"
 
 
@@ -127,9 +86,7 @@ def test_layer_first_call_inside_a_capture():
     CUDA graph is being captured (everything compiles and loads there), replays exactly."""
     shapes = dict(top_k=4, experts=12, hidden=512, intermediate=256)
     step = Step(40, seed=31, path="fp4", shapes=shapes)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step.run()
+    graph = capture(step.run)
     step.out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -143,25 +100,16 @@ def test_layer_four_threads_stay_exact(path, queues):
     output bitwise equal to its call alone."""
     steps = [Step(40 + 16 * i, seed=40 + i, path=path) for i in range(4)]
     refs = [step.expected() for step in steps]
-    streams = [torch.cuda.current_stream()] * 4 if queues == 1 else [torch.cuda.Stream() for _ in range(4)]
-    wrong, errors = [0] * 4, []
 
-    def worker(i):
-        try:
-            with torch.cuda.stream(streams[i]):
-                for _ in range(30):
-                    steps[i].out.fill_(float("nan"))
-                    steps[i].run()
-                    streams[i].synchronize()
-                    wrong[i] += int((steps[i].out != refs[i]).sum())
-        except Exception as err:  # noqa: BLE001  (reported below)
-            errors.append(err)
+    def one_call(step, ref):
+        def call(queue):
+            step.out.fill_(float("nan"))
+            step.run()
+            queue.synchronize()
+            return int((step.out != ref).sum())
+        return call
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    wrong, errors = in_threads([one_call(step, ref) for step, ref in zip(steps, refs)], queues, 30)
     assert not errors and sum(wrong) == 0, (errors, wrong)
 
 

@@ -4,13 +4,11 @@ replayed at the same time on separate queues, a first call inside a capture with
 queue and on four queues, and the memory held after rising and falling sizes. Both A types (NVFP4 and, Hopper,
 W4A16 bf16). Each result is compared bit for bit with the same call made alone (eager, on the default queue),
 which tests/test_gpu_moe.py checks against a float64 decode. Timings print with -s."""
-import threading
-import time
-
 import pytest
 import torch
 
 from conftest import cuda_capability, have_dsl
+from engine_patterns import beside_a_spin, capture, in_threads, replay_at_once
 
 CAPABILITY = cuda_capability()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (have_dsl() and CAPABILITY == (9, 0)),
@@ -67,17 +65,6 @@ class Case:
         return ref
 
 
-def _median_ms(fn, reps=5):
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 @pytest.mark.parametrize("a_kind", A_KINDS)
 def test_a_call_completes_beside_a_kernel_spinning_on_another_queue(a_kind):
     """A one-block kernel spins about 1 s on a side queue (it holds one SM's registers, so one GEMM CTA cannot be
@@ -86,19 +73,7 @@ def test_a_call_completes_beside_a_kernel_spinning_on_another_queue(a_kind):
     case = Case(seed=3)
     args = case.call_args(512, a_kind)
     ref = case.expected(args)
-    alone = _median_ms(lambda: case.run(args))
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(2_000_000_000)  # about 1 s at Hopper's 1.98 GHz
-    time.sleep(0.02)  # the spin is resident
-    done = torch.cuda.Event()
-    start = time.perf_counter()
-    case.run(args)
-    done.record()
-    done.synchronize()
-    beside = (time.perf_counter() - start) * 1e3
-    spin_running = not side.query()
-    side.synchronize()
+    alone, beside, spin_running = beside_a_spin(lambda: case.run(args))
     print(f"\n{a_kind}: alone {alone:.3f} ms, beside the spin {beside:.3f} ms ({beside / alone:.2f}x), "
           f"spin still running when it finished: {spin_running}")
     assert spin_running, "the spin ended first: the test shows nothing"
@@ -115,24 +90,9 @@ def test_graphs_of_one_shape_replayed_at_once_stay_exact(a_kind, graphs):
     case = Case(seed=5 + graphs)
     calls = [case.call_args(384, a_kind, pad=16) for _ in range(graphs)]
     refs = [case.expected(args) for args in calls]
-    captured = []
-    for args in calls:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            case.run(args)
-        captured.append(graph)
-    queues = [torch.cuda.Stream() for _ in range(graphs)]
-    torch.cuda.synchronize()
-    wrong = 0
-    for _ in range(300):
-        for args in calls:
-            args[-1].fill_(float("nan"))
-        torch.cuda.synchronize()
-        for graph, queue in zip(captured, queues):
-            with torch.cuda.stream(queue):
-                graph.replay()
-        torch.cuda.synchronize()
-        wrong += sum(int((args[-1] != ref).sum()) for args, ref in zip(calls, refs))
+    captured = [capture(lambda args=args: case.run(args)) for args in calls]
+    wrong = replay_at_once(captured, lambda: [args[-1].fill_(float("nan")) for args in calls],
+                           lambda: sum(int((args[-1] != ref).sum()) for args, ref in zip(calls, refs)), 300)
     assert wrong == 0, f"{wrong} wrong elements over 300 rounds of {graphs} graphs replayed at once"
 
 
@@ -159,25 +119,16 @@ def test_four_threads_stay_exact(a_kind, queues):
     case = Case(seed=11)
     calls = [case.call_args(256 + 64 * i, a_kind) for i in range(4)]
     refs = [case.expected(args) for args in calls]
-    streams = [torch.cuda.current_stream()] * 4 if queues == 1 else [torch.cuda.Stream() for _ in range(4)]
-    wrong, errors = [0] * 4, []
 
-    def worker(i):
-        try:
-            with torch.cuda.stream(streams[i]):
-                for _ in range(50):
-                    calls[i][-1].fill_(float("nan"))
-                    case.run(calls[i])
-                    streams[i].synchronize()
-                    wrong[i] += int((calls[i][-1] != refs[i]).sum())
-        except Exception as err:  # noqa: BLE001  (reported below)
-            errors.append(err)
+    def one_call(args, ref):
+        def call(queue):
+            args[-1].fill_(float("nan"))
+            case.run(args)
+            queue.synchronize()
+            return int((args[-1] != ref).sum())
+        return call
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    wrong, errors = in_threads([one_call(args, ref) for args, ref in zip(calls, refs)], queues, 50)
     assert not errors and sum(wrong) == 0, (errors, wrong)
 
 
