@@ -85,13 +85,11 @@ class SiluMulKernel:
         values = [simt.round_bf16(simt.mul_rn(simt.silu(g), u)) for g, u in zip(gate, up)]
         if cutlass.const_expr(self.fp4):
             if cutlass.const_expr(self.per_expert_scale):
-                expert = simt.ld_global_nc_s32(row_expert + 4 * cutlass.Int64(row))
-                gs = simt.ld_global_nc_f32(global_scale + 4 * cutlass.Int64(expert))
+                gs = simt.expert_global_scale(global_scale, row_expert, row)
             else:
                 gs = simt.ld_global_nc_f32(global_scale)
             sf, w0, w1 = simt.quantize16(values, gs)
-            simt.st_global_v2(a + cutlass.Int64(row) * (I // 2) + 8 * b, w0, w1)
-            simt.st_global_u8(a_scale + cutlass.Int64(row) * (I // 16) + b, sf)
+            simt.store_nvfp4_block(a, a_scale, row, I, b, sf, w0, w1)
         else:
             words = [simt.f32x2_to_bf16x2(values[2 * i], values[2 * i + 1]) for i in range(8)]
             simt.store_words(a + cutlass.Int64(row) * (2 * I) + 32 * b, words)

@@ -149,7 +149,7 @@ class GatherQuantizeKernel:
             for j in cutlass.range_constexpr(k):
                 row = simt.ld_global_nc_s32(inverse + 4 * (cutlass.Int64(t) * k + j))
                 if row >= 0:
-                    self.store_fp4(a, a_scale, row, b, scale, codes[0], codes[1])
+                    simt.store_nvfp4_block(a, a_scale, row, H, b, scale, codes[0], codes[1])
         else:
             values = simt.load_bf16x16(x + cutlass.Int64(t) * (2 * H) + 32 * b)
             if cutlass.const_expr(self.weight_on_input):
@@ -168,7 +168,7 @@ class GatherQuantizeKernel:
                 for j in cutlass.range_constexpr(k):
                     row = simt.ld_global_nc_s32(inverse + 4 * (cutlass.Int64(t) * k + j))
                     if row >= 0:
-                        self.store_fp4(a, a_scale, row, b, sf, w0, w1)
+                        simt.store_nvfp4_block(a, a_scale, row, H, b, sf, w0, w1)
             else:
                 for j in cutlass.range_constexpr(k):
                     row = simt.ld_global_nc_s32(inverse + 4 * (cutlass.Int64(t) * k + j))
@@ -179,12 +179,5 @@ class GatherQuantizeKernel:
     def quantize_row(self, values: list, row_expert: cutlass.Int64, global_scale: cutlass.Int64, a: cutlass.Int64,
                      a_scale: cutlass.Int64, row, b):
         """Block b of `row` quantized with its expert's global scale, and stored."""
-        expert = simt.ld_global_nc_s32(row_expert + 4 * cutlass.Int64(row))
-        sf, w0, w1 = simt.quantize16(values, simt.ld_global_nc_f32(global_scale + 4 * cutlass.Int64(expert)))
-        self.store_fp4(a, a_scale, row, b, sf, w0, w1)
-
-    @cute.jit
-    def store_fp4(self, a: cutlass.Int64, a_scale: cutlass.Int64, row, b, sf, w0, w1):
-        H = self.hidden
-        simt.st_global_v2(a + cutlass.Int64(row) * (H // 2) + 8 * b, w0, w1)
-        simt.st_global_u8(a_scale + cutlass.Int64(row) * (H // 16) + b, sf)
+        sf, w0, w1 = simt.quantize16(values, simt.expert_global_scale(global_scale, row_expert, row))
+        simt.store_nvfp4_block(a, a_scale, row, self.hidden, b, sf, w0, w1)

@@ -153,7 +153,7 @@ class RouteKernel:
     @cute.kernel
     def kernel(self, ids: cutlass.Int64, expert_map: cutlass.Int64, map_size: cutlass.Int32, offs: cutlass.Int64,
                inverse: cutlass.Int64, row_expert: cutlass.Int64, num_tokens: cutlass.Int32):
-        E, P = self.num_experts, self.per_lane
+        P = self.per_lane
         tid, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()

@@ -184,9 +184,8 @@ def ld_global_s32(addr, *, loc=None, ip=None):
 
 @dsl_user_op
 def ld_global_nc_s32(addr, *, loc=None, ip=None):
-    """A 32-bit word of read-only global memory (an input of the launch)."""
-    r = _asm(T.i32(), [_i64(addr, loc, ip)], "ld.global.nc.b32 $0, [$1];", "=r,l", False, loc, ip)
-    return cutlass.Int32(r)
+    """A 32-bit word of read-only global memory (an input of the launch), signed: `sm90.ld_global_u32`'s load."""
+    return cutlass.Int32(sm90.ld_global_u32(addr, loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -215,8 +214,8 @@ def ld_global_nc_u16(addr, *, loc=None, ip=None):
 
 @dsl_user_op
 def st_global_s32(addr, v, *, loc=None, ip=None):
-    _asm(None, [_i64(addr, loc, ip), sm90._i32(v, loc, ip)], "st.global.b32 [$0], $1;", "l,r,~{memory}", True,
-         loc, ip)
+    """A signed 32-bit word to global memory: `sm90.st_global_u32`'s store of the same bits."""
+    sm90.st_global_u32(addr, cutlass.Uint32(cutlass.Int32(v)), loc=loc, ip=ip)
 
 
 WEIGHT_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
@@ -274,3 +273,18 @@ def store_words(addr, words: list):
     """Eight 32-bit words to `addr` (16-byte aligned): two 128-bit stores."""
     st_global_v4(addr, words[0], words[1], words[2], words[3])
     st_global_v4(addr + 16, words[4], words[5], words[6], words[7])
+
+
+@cute.jit
+def store_nvfp4_block(codes, scales, row, width: cutlass.Constexpr[int], b, sf, w0, w1):
+    """Block b (16 values) of `row` of an NVFP4 matrix `width` values wide: its two words of codes ([rows, width/2])
+    and its scale byte (row-major [rows, width/16])."""
+    st_global_v2(codes + cutlass.Int64(row) * (width // 2) + 8 * b, w0, w1)
+    st_global_u8(scales + cutlass.Int64(row) * (width // 16) + b, sf)
+
+
+@cute.jit
+def expert_global_scale(global_scale, row_expert, row):
+    """The fp32 global scale (of `global_scale` [E]) of the expert that `row` belongs to (`row_expert`)."""
+    expert = ld_global_nc_s32(row_expert + 4 * cutlass.Int64(row))
+    return ld_global_nc_f32(global_scale + 4 * cutlass.Int64(expert))
