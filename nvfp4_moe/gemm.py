@@ -935,13 +935,18 @@ def buffer_bytes(hopper: bool, num_tokens: int, num_experts: int, n: int, k: int
     return work_at + up(work), 0, tables, work_at
 
 
-def _signature(a, a_scale, b, b_scale, offs, alpha, out) -> tuple:
-    """What the checks read of the tensors (shapes, dtypes, devices, contiguity), read cheaply, and the queue: a
-    call whose signature was checked before skips the checks (`_moe_mm_into`; only the addresses are checked each
-    call)."""
-    tensors = (a, a_scale, b, b_scale, offs, out) if alpha is None else (a, a_scale, b, b_scale, offs, out, alpha)
+def signature_of(tensors: tuple, device_index: int) -> tuple:
+    """What checks read of `tensors` (None where one is absent): shapes, dtypes, devices, contiguity, read cheaply;
+    and the current queue of CUDA device `device_index` (None for -1, the CPU). The entry's and the layer's cache
+    keys: a call whose signature was checked before skips the checks (only the addresses are checked each call)."""
     return (tuple(None if t is None else (t.shape, t.dtype, t.get_device(), t.is_contiguous()) for t in tensors),
-            torch._C._cuda_getCurrentRawStream(a.get_device()) if a.is_cuda else None)
+            torch._C._cuda_getCurrentRawStream(device_index) if device_index >= 0 else None)
+
+
+def _signature(a, a_scale, b, b_scale, offs, alpha, out) -> tuple:
+    """The entry's `signature_of` (`_moe_mm_into`)."""
+    tensors = (a, a_scale, b, b_scale, offs, out) if alpha is None else (a, a_scale, b, b_scale, offs, out, alpha)
+    return signature_of(tensors, a.get_device())
 
 
 def _plan_for(signature, a, a_scale, b, b_scale, offs, alpha, out) -> Optional[_Plan]:

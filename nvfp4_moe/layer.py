@@ -249,7 +249,6 @@ def layer_stages(x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_scal
     return combine(y, routing, None if apply_router_weight_on_input else topk_weights, out=out)
 
 
-
 def _layer_into(x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, g1_alphas, g2_alphas, a1_gscale,
                 a2_gscale, expert_map, activation, apply_router_weight_on_input, out) -> torch.Tensor:
     """One layer call (module docstring): on a GPU the stage kernels (`_gpu_layer`), else the torch statements
@@ -321,11 +320,10 @@ class _LayerPlan:
 
 
 def _layer_signature(args: tuple) -> tuple:
-    """What the checks read of the arguments (tensor shapes, dtypes, devices, contiguity; the flags) and the
-    queue."""
-    meta = tuple(None if t is None else (t.shape, t.dtype, t.get_device(), t.is_contiguous()) if
-                 isinstance(t, torch.Tensor) else t for t in args)
-    return meta, torch._C._cuda_getCurrentRawStream(args[0].get_device())
+    """What the checks read of `_gpu_layer`'s arguments (`gemm.signature_of` of its tensors, then its two flags,
+    activation and apply_router_weight_on_input) and the queue: (metadata, queue)."""
+    meta, queue = gemm.signature_of(args[:13] + args[15:], args[0].get_device())
+    return (meta, args[13], args[14]), queue
 
 
 def _make_layer_plan(x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, g1_alphas, g2_alphas,
