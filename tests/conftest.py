@@ -157,6 +157,15 @@ def have_dsl() -> bool:
     return importlib.util.find_spec("cutlass") is not None
 
 
+def build_test_marks() -> list:
+    """A module of kernel builds' `pytestmark`: marked `build`, skipped without nvidia-cutlass-dsl or cuobjdump."""
+    import eval as ev
+
+    return [pytest.mark.build,
+            pytest.mark.skipif(not have_dsl(), reason="needs nvidia-cutlass-dsl"),
+            pytest.mark.skipif(ev.find_cuobjdump() is None, reason="needs cuobjdump (nvidia-cuda-cuobjdump)")]
+
+
 def bench_usage_error(capsys, monkeypatch, args: list, stopped) -> str:
     """bench.py's main on `args`, which must end in one line on stderr and exit status 2 before any GPU check
     (and before `stopped`, a module whose main must not run); returns that line."""

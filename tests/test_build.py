@@ -1,5 +1,4 @@
 """The kernels build for their GPUs on a machine without one (`eval.py compile`), and their SASS is sane."""
-import importlib.util
 import json
 import os
 import re
@@ -9,7 +8,7 @@ import sys
 import pytest
 
 import eval as ev
-from conftest import ROOT, load_task_yml
+from conftest import ROOT, build_test_marks, load_task_yml
 
 try:
     import submission
@@ -54,11 +53,7 @@ def sm90_expectations(config) -> dict:
     return dict(pipelined=True, no_spills=True)
 
 
-pytestmark = [
-    pytest.mark.build,
-    pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="needs nvidia-cutlass-dsl"),
-    pytest.mark.skipif(ev.find_cuobjdump() is None, reason="needs cuobjdump (nvidia-cuda-cuobjdump)"),
-]
+pytestmark = build_test_marks()
 
 
 def _compile(tmp_path, arch, extra=()):

@@ -4,7 +4,6 @@ quantizer's and the combine's fp32 operations never contracted into FMAs (no fma
 product and sum: `simt.mul_rn` / `add_rn`); the routing counts with shared-memory atomics and never waits on another
 CTA (no acquiring load); the 128-bit loads and stores where rows are copied. The Hopper GPU tests run these
 kernels (tests/test_gpu_layer_stages.py); on sm_100a they are built and read here only (no B200 here)."""
-import importlib.util
 import os
 import subprocess
 import sys
@@ -12,13 +11,9 @@ import sys
 import pytest
 
 import eval as ev
-from conftest import ROOT
+from conftest import ROOT, build_test_marks
 
-pytestmark = [
-    pytest.mark.build,
-    pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="needs nvidia-cutlass-dsl"),
-    pytest.mark.skipif(ev.find_cuobjdump() is None, reason="needs cuobjdump (nvidia-cuda-cuobjdump)"),
-]
+pytestmark = build_test_marks()
 
 _SCRIPT = r"""
 import sys

@@ -6,7 +6,6 @@ neither waits on another CTA (no acquiring load: no grid-wide barrier); the prep
 B200 here): the preparation kernel (tables, blocked A scales, descriptors, the tile count) and the persistent
 kernel with the MoE switches: block-scaled tcgen05 MMAs, TMA loads and stores, alpha's multiplies, bf16
 conversions where C is bf16, no local memory."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,13 +14,9 @@ import sys
 import pytest
 
 import eval as ev
-from conftest import ROOT
+from conftest import ROOT, build_test_marks
 
-pytestmark = [
-    pytest.mark.build,
-    pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="needs nvidia-cutlass-dsl"),
-    pytest.mark.skipif(ev.find_cuobjdump() is None, reason="needs cuobjdump (nvidia-cuda-cuobjdump)"),
-]
+pytestmark = build_test_marks()
 
 _SCRIPT = r"""
 import dataclasses, json, sys
