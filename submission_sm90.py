@@ -777,6 +777,17 @@ def ring_state(n, stages: int, producer: bool = False):
     return pipeline.PipelineState(stages, n, index, phase ^ 1 if producer else phase)
 
 
+@cute.jit
+def warp_inclusive_sum(value, lane):
+    """The sum of `value` over lanes 0 .. `lane` of the warp: an inclusive scan by five shuffles, every lane taking
+    part (the conversion's item counts here; the MoE preparation's and the layer's routing counts)."""
+    incl = value
+    for d in cutlass.range_constexpr(5):
+        below = cute.arch.shuffle_sync(incl, (lane - (1 << d)) & 31)
+        incl = incl + below * cutlass.Int32(lane >= (1 << d))
+    return incl
+
+
 def release_read_stage(pipe, state):
     """Releases a stage of the TMA pipeline `pipe` from every thread that read it with plain shared-memory
     loads: each thread arrives on the stage's empty barrier, which counts threads (the Hopper kernel's
@@ -1159,10 +1170,7 @@ def sm90_convert_a_items(ptrs: cute.Tensor, sizes: cute.Tensor, a16_base, num_gr
         if g0 + lane < num_groups:
             lane_k = sizes[g0 + lane, int(SizeColumn.K)]
             count = sizes[g0 + lane, int(SizeColumn.M)] * (lane_k // 128) * 4
-        incl = count  # items of groups g0 .. g0 + lane
-        for d in cutlass.range_constexpr(5):
-            below = cute.arch.shuffle_sync(incl, (lane - (1 << d)) & 31)
-            incl = incl + below * cutlass.Int32(lane >= (1 << d))
+        incl = warp_inclusive_sum(count, lane)  # items of groups g0 .. g0 + lane
         end = done + cute.arch.shuffle_sync(incl, 31)
         while cute.arch.vote_any_sync(pos < end):
             for u in cutlass.range_constexpr(2):

@@ -424,10 +424,7 @@ class MoePrepareKernel:
         # ---- per width: exclusive scan of the lanes' tile counts, and the totals
         bases, totals = [], []
         for x in cutlass.range_constexpr(num_widths):
-            t_incl = runs[x]
-            for d in cutlass.range_constexpr(5):
-                t_below = cute.arch.shuffle_sync(t_incl, (lane - (1 << d)) & 31)
-                t_incl = t_incl + t_below * cutlass.Int32(lane >= (1 << d))
+            t_incl = sm90.warp_inclusive_sum(runs[x], lane)
             bases.append(t_incl - runs[x])
             totals.append(cute.arch.shuffle_sync(t_incl, 31))
         for j in cutlass.range_constexpr(P):
@@ -596,10 +593,7 @@ class MoeSm100PrepareKernel:
             for j in cutlass.range_constexpr(P):
                 blocks_before.append(blocks_run)
                 blocks_run = blocks_run + (counts[j] + 127) // 128
-            incl = blocks_run
-            for d in cutlass.range_constexpr(5):
-                below = cute.arch.shuffle_sync(incl, (lane - (1 << d)) & 31)
-                incl = incl + below * cutlass.Int32(lane >= (1 << d))
+            incl = sm90.warp_inclusive_sum(blocks_run, lane)
             for j in cutlass.range_constexpr(P):
                 i = lane * P + j
                 s_start[i] = starts[j]

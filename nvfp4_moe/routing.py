@@ -139,10 +139,7 @@ class RouteKernel:
         for j in cutlass.range_constexpr(P):
             local.append(run)
             run = run + s_counts[lane * P + j]
-        incl = run
-        for d in cutlass.range_constexpr(5):
-            below = cute.arch.shuffle_sync(incl, (lane - (1 << d)) & 31)
-            incl = incl + below * cutlass.Int32(lane >= (1 << d))
+        incl = simt.warp_inclusive_sum(run, lane)
         base = incl - run
         for j in cutlass.range_constexpr(P):
             i = lane * P + j

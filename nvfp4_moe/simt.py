@@ -18,6 +18,7 @@ import submission_sm90 as sm90
 
 _asm, _u32, _i64 = sm90._asm, sm90._u32, sm90._i64
 ld_global_v4, st_global_v4, st_global_u32 = sm90.ld_global_v4, sm90.st_global_v4, sm90.st_global_u32
+warp_inclusive_sum = sm90.warp_inclusive_sum
 
 
 def _f32(x, loc, ip):
