@@ -123,8 +123,6 @@ def _grouped_operands(pre):
 # humming does W4A16 there: fp16 A times NVFP4 B (e2m1, e4m3 scales per 16 k, an fp32 scale per group).
 # ---------------------------------------------------------------------------------------------------------
 HUMMING_TOL = dict(rtol=1e-3, atol=1e-3)  # the leaderboard's
-HUMMING_GROUPED = json.dumps({"gemm_type": "grouped_contiguous"})  # A's rows of all groups back to back
-HUMMING_INDEXED = json.dumps({"gemm_type": "indexed"})  # vLLM's form: A's rows through sorted pair ids
 
 try:  # humming imports Triton itself, so it is here whenever the humming column is
     import triton
@@ -259,21 +257,11 @@ def humming_indexed_gemm(n: int, k: int, experts: int, rows: int, codes: torch.T
     for `rows` routed pairs: (call, block). call(a fp16 [T, k], out fp16 [T top_k, n], sorted_ids, expert_ids,
     padded, top_k) -> out, row p of out being pair p (token p // top_k), with `align_block_size(flat_ids, E,
     block)`'s three tensors. Compiles humming's kernel (minutes the first time); raises where humming cannot."""
-    from humming import dtypes, ops
-    from humming.kernel.humming import HummingKernel
-    from humming.schema import HummingWeightSchema
-    from humming.transform import prepare_layer_config, transform_humming_tensors
-    from humming.tune import get_heuristics_config
-
-    device = torch.cuda.current_device()
-    schema = HummingWeightSchema(b_dtype=dtypes.float4e2m1, bs_dtype=dtypes.float8e4m3, weight_scale_group_size=16,
-                                 weight_scale_type="group", weight_scale_2_type="tensor")
+    from humming import ops
+    from humming.transform import transform_humming_tensors
 
     def build():
-        config = prepare_layer_config(shape_n=n, shape_k=k, weight_schema=schema, num_experts=experts,
-                                      torch_dtype=torch.float16, device=device)
-        tuning = dict(get_heuristics_config(config, shape_m=rows, gemm_type="indexed", device=device))
-        kernel = HummingKernel.prepare_kernels(config.to_str(), HUMMING_INDEXED, json.dumps(tuning), device=device)
+        config, tuning, kernel = _humming_build(n, k, experts, rows, "indexed")
         w = transform_humming_tensors(config, humming_weight_of_codes(codes, scales, scale_2))
         return kernel, w, int(tuning["block_shape"][0])
 
@@ -308,9 +296,11 @@ def worst_ratio(outputs, expected, rtol: float, atol: float) -> float:
     return worst
 
 
-def _humming_kernel(n: int, k: int, ms: list):
-    """humming's layer config for fp16 A x NVFP4 B in len(ms) groups, the tile its own heuristic picks for
-    sum(ms) rows, and that grouped kernel, compiled (or taken from humming's disk cache)."""
+def _humming_build(n: int, k: int, experts: int, rows: int, gemm_type: str) -> tuple:
+    """(humming's layer config for fp16 A x NVFP4 B over `experts` groups, the tile its own heuristic picks for
+    `rows` rows, that kernel compiled or taken from humming's disk cache) of one of its MoE forms: gemm_type
+    "grouped_contiguous" (A's rows of all groups back to back) or "indexed" (vLLM's: A's rows through sorted pair
+    ids)."""
     from humming import dtypes
     from humming.kernel.humming import HummingKernel
     from humming.schema import HummingWeightSchema
@@ -320,11 +310,16 @@ def _humming_kernel(n: int, k: int, ms: list):
     device = torch.cuda.current_device()
     schema = HummingWeightSchema(b_dtype=dtypes.float4e2m1, bs_dtype=dtypes.float8e4m3, weight_scale_group_size=16,
                                  weight_scale_type="group", weight_scale_2_type="tensor")
-    layer = prepare_layer_config(shape_n=n, shape_k=k, weight_schema=schema, num_experts=len(ms),
+    layer = prepare_layer_config(shape_n=n, shape_k=k, weight_schema=schema, num_experts=experts,
                                  torch_dtype=torch.float16, device=device)
-    tuning = dict(get_heuristics_config(layer, shape_m=sum(ms), gemm_type="grouped_contiguous", device=device))
-    return layer, tuning, HummingKernel.prepare_kernels(layer.to_str(), HUMMING_GROUPED, json.dumps(tuning),
-                                                        device=device)
+    tuning = dict(get_heuristics_config(layer, shape_m=rows, gemm_type=gemm_type, device=device))
+    return layer, tuning, HummingKernel.prepare_kernels(layer.to_str(), json.dumps({"gemm_type": gemm_type}),
+                                                        json.dumps(tuning), device=device)
+
+
+def _humming_kernel(n: int, k: int, ms: list):
+    """`_humming_build`'s grouped-contiguous kernel for groups of `ms` rows."""
+    return _humming_build(n, k, len(ms), sum(ms), "grouped_contiguous")
 
 
 def _humming_weight_of(layer, data) -> dict:
