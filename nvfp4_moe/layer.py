@@ -317,6 +317,7 @@ class _LayerPlan:
     tokens: int
     rows: int
     hidden: int
+    fp4: bool  # NVFP4 A for both GEMMs (every path but W4A16): their a_scale buffers are passed
 
 
 def _layer_signature(args: tuple) -> tuple:
@@ -365,7 +366,7 @@ def _make_layer_plan(x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_
     for name, size in sizes.items():
         at[name] = cursor
         cursor += gemm.ceil_div(max(size, 1), 1024) * 1024
-    return _LayerPlan(route_k, gather_k, act_k, combine_k, plan1, plan2, at, cursor, num_tokens, rows, hidden)
+    return _LayerPlan(route_k, gather_k, act_k, combine_k, plan1, plan2, at, cursor, num_tokens, rows, hidden, fp4)
 
 
 def _address(t: Optional[torch.Tensor]) -> int:
@@ -406,14 +407,13 @@ def _gpu_layer(x, x_scale, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
                         offs, inverse, row_expert, plan.tokens, queue))
             plan.gather((px, _address(x_scale), inverse, row_expert, _address(a1_gscale), weights, a, a_scale,
                          plan.tokens, queue))
-            fp4 = x.dtype != torch.bfloat16 or a1_gscale is not None
             if _WITH_GEMMS:
-                gemm.launch(plan.gemm1, base, offs, a, a_scale if fp4 else 0, w13.data_ptr(), w13_scale.data_ptr(), h,
-                            g1_alphas.data_ptr(), plan.rows, queue)
+                gemm.launch(plan.gemm1, base, offs, a, a_scale if plan.fp4 else 0, w13.data_ptr(),
+                            w13_scale.data_ptr(), h, g1_alphas.data_ptr(), plan.rows, queue)
             plan.activation((h, offs, row_expert, _address(a2_gscale), act, act_scale, plan.rows, queue))
             if _WITH_GEMMS:
-                gemm.launch(plan.gemm2, base, offs, act, act_scale if fp4 else 0, w2.data_ptr(), w2_scale.data_ptr(), y,
-                            g2_alphas.data_ptr(), plan.rows, queue)
+                gemm.launch(plan.gemm2, base, offs, act, act_scale if plan.fp4 else 0, w2.data_ptr(),
+                            w2_scale.data_ptr(), y, g2_alphas.data_ptr(), plan.rows, queue)
             plan.combine((y, inverse, weights, po, plan.tokens, queue))
     return out
 
